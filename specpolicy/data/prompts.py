@@ -1,0 +1,105 @@
+"""Prompts as chat conversations, from the embedded set, a local file or a hub dataset.
+
+Every source goes through `datasets.load_dataset`, so JSONL, JSON, Parquet and CSV files and hub
+datasets behave alike. A row holds either a `prompt` string or a chat `messages` list; chat
+templates are applied by the tokenizer in `encode_prompts`, never by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from specpolicy.errors import SpecPolicyError
+
+EMBEDDED = Path(__file__).parent / "prompts" / "default.jsonl"
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+Conversation = list[dict[str, str]]
+
+
+@dataclass
+class PromptSource:
+    """Where prompts come from. `prompts_file` wins over `hub_dataset`; with neither, the embedded set.
+
+    `split` selects rows of the embedded set (or a hub split); a user's file is used whole unless
+    it has a `split` column. `limit` keeps the first N prompts after splitting.
+    """
+
+    prompts_file: str | None = None
+    hub_dataset: str | None = None
+    split: str = "validation"
+    limit: int | None = None
+
+    def load(self) -> list[Conversation]:
+        rows = self._rows()
+        if "split" in rows.column_names and self.split != "all":
+            rows = rows.filter(lambda r: r["split"] == self.split)
+        if self.limit is not None:
+            rows = rows.select(range(min(self.limit, len(rows))))
+        conversations = [_conversation(row, i, self._name) for i, row in enumerate(rows)]
+        if not conversations:
+            raise SpecPolicyError(f"no prompts in {self._name} (split={self.split!r}); add rows or change data.split")
+        return conversations
+
+    @property
+    def _name(self) -> str:
+        return self.prompts_file or self.hub_dataset or f"the embedded prompt set ({EMBEDDED.name})"
+
+    def _rows(self) -> datasets.Dataset:
+        if self.prompts_file:
+            return _load_file(Path(self.prompts_file).expanduser())
+        if self.hub_dataset:
+            try:
+                return datasets.load_dataset(self.hub_dataset, split=self.split)
+            except Exception as err:  # offline or missing: datasets raises many types from deep inside
+                raise SpecPolicyError(
+                    f"cannot load hub dataset {self.hub_dataset!r} ({err.__class__.__name__}); "
+                    f"check the name and network, or use data.prompts_file=PATH"
+                ) from err
+        return _load_file(EMBEDDED)
+
+
+def _load_file(path: Path) -> datasets.Dataset:
+    if not path.is_file():
+        raise SpecPolicyError(f"prompts file {str(path)!r} does not exist; fix data.prompts_file=PATH")
+    builder = FILE_BUILDERS.get(path.suffix)
+    if builder is None:
+        raise SpecPolicyError(f"prompts file {path.name!r} has an unknown format; use one of {sorted(FILE_BUILDERS)}")
+    if path.stat().st_size == 0:
+        raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a 'prompt' field")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:
+        raise SpecPolicyError(f"cannot parse prompts file {str(path)!r}: {err}") from err
+
+
+def _conversation(row: dict[str, Any], index: int, source: str) -> Conversation:
+    if row.get("messages"):
+        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        return [{"role": "user", "content": row["prompt"]}]
+    raise SpecPolicyError(f"row {index} of {source} has neither a non-empty 'prompt' string nor a 'messages' list")
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], context_length: int, reserve: int = 0
+) -> list[list[int]]:
+    """Token ids per prompt, chat template applied; `reserve` tokens of context are kept for generation."""
+    encoded = []
+    for i, conversation in enumerate(conversations):
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n\n".join(m["content"] for m in conversation)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + reserve > context_length:
+            raise SpecPolicyError(
+                f"prompt {i} is {len(ids)} tokens, and with {reserve} tokens of generation it exceeds the "
+                f"model's context of {context_length}; shorten the prompt or lower max_new_tokens"
+            )
+        encoded.append(ids)
+    return encoded

