@@ -1,0 +1,83 @@
+"""A preallocated KV cache where every row has its own length, and the forward pass that writes it.
+
+The transformers Cache API lets a model call `cache.update(k, v, layer_idx)`; this cache answers by
+scattering the new keys/values of row b at positions `start[b] + i` and returning the buffer up to
+the longest row. Rolling back a row (rejected draft tokens) is just a smaller `start` next time: the
+stale slots are masked and later overwritten, never copied. Padding slots of short rows are written
+to a trash slot at the end of the buffer that no query ever sees.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+
+class RaggedCache(Cache):
+    """Per-row-length KV cache: buffers [B, H_kv, T, D] per layer, allocated on first use."""
+
+    def __init__(self, capacity: int):
+        super().__init__(layers=[])
+        self.capacity = capacity + 1  # the last slot is trash for padding writes
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._write_index: torch.Tensor | None = None  # [B, W] slots the current forward writes
+        self._kv_len = 0
+
+    def begin(self, starts: torch.Tensor, width: int, kv_len: int) -> None:
+        """Before a forward of `width` tokens per row, starting at `starts` [B]."""
+        slots = starts[:, None] + torch.arange(width, device=starts.device)  # [B, W]
+        self._write_index = slots.clamp(max=self.capacity - 1)
+        self._kv_len = min(kv_len, self.capacity)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx not in self.keys:
+            B, H, _, _ = key_states.shape
+            shape = lambda t: (B, H, self.capacity, t.shape[-1])  # noqa: E731
+            self.keys[layer_idx] = key_states.new_zeros(shape(key_states))
+            self.values[layer_idx] = value_states.new_zeros(shape(value_states))
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        index = self._write_index[:, None, :, None]  # [B, 1, W, 1]
+        k.scatter_(2, index.expand(-1, k.shape[1], -1, k.shape[3]), key_states)
+        v.scatter_(2, index.expand(-1, v.shape[1], -1, v.shape[3]), value_states)
+        return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (finished rows leave the batch and stop costing compute)."""
+        for store in (self.keys, self.values):
+            for idx, buf in store.items():
+                store[idx] = buf.index_select(0, rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self._kv_len, 0
+
+
+def forward(
+    model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
+    keep: torch.Tensor, max_position: int,
+) -> torch.Tensor:
+    """Run `tokens` [B, W] at per-row offsets `starts` [B]; return logits at positions `keep` [B, K].
+
+    Only the kept positions go through the LM head, so a long prefill does not pay W x vocab logits.
+    The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only.
+    """
+    B, W = tokens.shape
+    cache.begin(starts, W, kv_len)
+    positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
+    keys = torch.arange(cache._kv_len, device=tokens.device)
+    visible = keys[None, None, :] <= positions[:, :, None]  # [B, W, T]
+    dtype = model.dtype
+    mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    hidden = model.base_model(
+        input_ids=tokens,
+        attention_mask=mask[:, None],  # [B, 1, W, T]
+        position_ids=positions.clamp(max=max_position),  # only padding slots are clamped
+        cache=cache,
+        use_cache=True,
+    ).last_hidden_state  # [B, W, d]
+    picked = hidden.gather(1, keep[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, K, d]
+    return model.get_output_embeddings()(picked).float()  # [B, K, V]

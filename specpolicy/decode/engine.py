@@ -1,0 +1,259 @@
+"""Batched speculative decoding with a per-row, per-step depth chosen by a policy.
+
+One step, for every row in flight:
+  budget  the policy gives each row its maximum depth for the current batch load;
+  draft   the draft first reads every committed token it has not seen (catching up after
+          depth-0 steps, so its cache never goes stale), then proposes one token per position,
+          and the policy may stop any row after each position;
+  verify  the target reads the tokens it has not seen plus each row's drafts, in one pass;
+  accept  per row, the lossless rejection rule (greedy = exact match) keeps a prefix + one token;
+  commit  rows advance by what they kept; caches roll back by length, never by copying;
+  retire  rows at EOS or max_new_tokens leave the batch, so they stop costing compute.
+Plain autoregressive decoding is the same loop with depth 0 (no draft model is even needed).
+
+What the engine does not know: which policy it runs, or anything about the model family beyond
+the transformers Cache API (`base_model`, `get_output_embeddings`, 4D attention masks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import torch
+from transformers import PreTrainedModel
+
+from specpolicy.cost.flops import FlopModel
+from specpolicy.decode import sampling
+from specpolicy.decode.cache import RaggedCache, forward
+from specpolicy.decode.stats import DecodeStats
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models.loading import context_length
+from specpolicy.policy.base import DepthPolicy, StepState
+from specpolicy.rollout.features import COLUMN, draft_features
+from specpolicy.runtime import synchronize
+
+
+@dataclass
+class Rows:
+    """Per-row decode state of the rows in flight; every tensor is [A, ...] on the model's device."""
+
+    seq: torch.Tensor  # [A, cap] prompt + committed tokens (+ tentative drafts past `length`)
+    length: torch.Tensor  # committed tokens
+    t_len: torch.Tensor  # tokens in the target's cache
+    d_len: torch.Tensor  # tokens in the draft's cache
+    generated: torch.Tensor  # new tokens committed
+    prompt_len: torch.Tensor
+    row_ids: torch.Tensor  # index in the original batch
+    seeds: torch.Tensor  # per-row random state (counter-based sampling)
+
+    def select(self, keep: torch.Tensor) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name)[keep])
+
+    def host(self) -> dict[str, torch.Tensor]:
+        """One device-to-host copy of the small per-row counters the next step sizes its tensors with."""
+        names = ("length", "t_len", "d_len", "generated")
+        values = torch.stack([getattr(self, n) for n in names]).cpu()
+        return dict(zip(names, values))
+
+
+@dataclass
+class DecodeResult:
+    outputs: list[list[int]]  # generated ids per prompt (EOS included when hit)
+    stats: DecodeStats
+
+
+class Engine:
+    """Decode batches of prompts with `target`, speculating with `draft` as `policy` decides."""
+
+    def __init__(
+        self, target: PreTrainedModel, draft: PreTrainedModel | None = None, max_new_tokens: int = 64,
+        temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | list[int] | None = None,
+    ):
+        if max_new_tokens < 1:
+            raise SpecPolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise SpecPolicyError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+        self.target, self.draft = target, draft
+        self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.device = target.device
+        self.eos = torch.tensor(eos, dtype=torch.long, device=self.device)
+        self.context = context_length(target.config)
+        self.t_flops = FlopModel.from_model(target)
+        self.d_flops = FlopModel.from_model(draft) if draft is not None else None
+
+    # ---------------------------------------------------------------- public
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], policy: DepthPolicy) -> DecodeResult:
+        self._check(prompts, policy)
+        K = policy.max_depth
+        policy.reset(len(prompts))
+        rows = self._start(prompts, K)
+        caches = RaggedCache(rows.seq.shape[1]), RaggedCache(rows.seq.shape[1]) if K else None
+        stats = DecodeStats(max_depth=K)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        host = rows.host()
+        while rows.row_ids.numel():
+            host = self._step(rows, host, caches, policy, stats, outputs)
+        synchronize(self.device)
+        stats.wall_s = time.perf_counter() - t0
+        stats.tokens = sum(map(len, outputs))
+        return DecodeResult(outputs, stats)
+
+    # ---------------------------------------------------------------- setup
+    def _check(self, prompts: list[list[int]], policy: DepthPolicy) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise SpecPolicyError("every prompt needs at least one token")
+        if policy.max_depth and self.draft is None:
+            raise SpecPolicyError(f"{type(policy).__name__} drafts up to {policy.max_depth} tokens but no draft model is set")
+        if policy.greedy_only and self.temperature > 0:
+            raise SpecPolicyError(f"{type(policy).__name__} is defined for greedy decoding only; set temperature=0")
+        longest = max(map(len, prompts))
+        if longest + self.max_new_tokens > self.context:
+            raise SpecPolicyError(
+                f"a prompt of {longest} tokens + max_new_tokens={self.max_new_tokens} exceeds the context of "
+                f"{self.context}; shorten the prompt or lower max_new_tokens"
+            )
+
+    def _start(self, prompts: list[list[int]], K: int) -> Rows:
+        A, cap = len(prompts), max(map(len, prompts)) + self.max_new_tokens + K + 1
+        seq = torch.zeros(A, cap, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            seq[i, : len(p)] = torch.tensor(p)
+        length, zeros, ids = torch.tensor([len(p) for p in prompts]), torch.zeros(A, dtype=torch.long), torch.arange(A)
+        state = dict(seq=seq, length=length, t_len=zeros, d_len=zeros, generated=zeros, prompt_len=length,
+                     row_ids=ids, seeds=self.seed * 1_000_003 + ids)
+        return Rows(**{k: v.to(self.device, copy=True) for k, v in state.items()})
+
+    # ---------------------------------------------------------------- one step
+    def _step(self, rows: Rows, host: dict, caches: tuple, policy: DepthPolicy, stats: DecodeStats,
+              outputs: list[list[int]]) -> dict:
+        state = StepState(rows.row_ids, rows.generated, rows.row_ids.numel(), int(host["length"].sum()))
+        remaining = self.max_new_tokens - rows.generated
+        budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes
+        depth = int(budget.max())
+        if depth:
+            drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
+        else:  # nobody drafts: the draft catches up later, in one chunk
+            drafts = rows.seq.new_zeros(rows.seq.shape[0], 0)
+            p, n_draft, fed = None, torch.zeros_like(budget), 0
+        q = self._verify(rows, host, caches[0], drafts, n_draft, stats)
+        if p is None:
+            p = q.new_zeros(q.shape[0], 0, q.shape[-1])
+        n_acc, token = sampling.accept(drafts, p, q, n_draft, rows.seeds, rows.generated)
+        finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
+        policy.observe(state, n_draft, n_acc)
+        new_host = rows.host()
+        self._account(stats, host, new_host, n_draft.cpu(), (n_new - 1).cpu(), depth, fed)
+        return self._retire(rows, new_host, finished, caches, outputs)
+
+    def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
+               state: StepState, depth: int, stats: DecodeStats):
+        """Propose up to `depth` tokens per row; returns drafts [A, k], p [A, k, V], n_draft [A], feeds."""
+        unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
+        width = int((host["length"] - host["d_len"]).max())
+        logits = self._read(self.draft, cache, rows, rows.d_len, width, unseen - 1, host["d_len"].max())[:, 0]
+        stats.draft_forwards += 1
+        tokens, dists = [], []
+        drafting = budget > 0
+        n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
+        decides = None
+        for i in range(1, depth + 1):
+            p_i = sampling.probs(logits, self.temperature, self.top_p)  # [A, V]
+            x_i = sampling.sample(p_i, sampling.uniform(rows.seeds, rows.generated + i - 1, sampling.DRAFT))
+            features = draft_features(logits, cum, i, state.rows, state.tokens)
+            cum = features[:, COLUMN["cum_top1"]]
+            decides = policy.keep(features, x_i, state, i)
+            drafting &= budget >= i
+            if decides is not None:
+                drafting &= decides
+            n_draft += drafting
+            tokens.append(x_i)
+            dists.append(p_i)
+            if i == depth or (decides is not None and not bool(drafting.any())):
+                break
+            logits = self._read(self.draft, cache, rows, rows.length + i - 1, 1, None, host["length"].max() + i - 1,
+                                token=x_i)[:, 0]
+            stats.draft_forwards += 1
+        return torch.stack(tokens, 1), torch.stack(dists, 1), n_draft, len(tokens) - 1
+
+    def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, n_draft: torch.Tensor,
+                stats: DecodeStats) -> torch.Tensor:
+        """Target distributions q [A, k+1, V] at the last committed token and after each draft token."""
+        k = drafts.shape[1]
+        slots = rows.length[:, None] + torch.arange(k, device=self.device)
+        rows.seq.scatter_(1, slots, drafts)  # tentative: past `length`, overwritten by the commit
+        unseen = rows.length - rows.t_len  # [A] >= 1 (the whole prompt on the first step)
+        width = int((host["length"] - host["t_len"]).max()) + k
+        keep = (unseen - 1)[:, None] + torch.arange(k + 1, device=self.device)  # [A, k+1]
+        logits = self._read(self.target, cache, rows, rows.t_len, width, keep, host["t_len"].max())
+        stats.target_forwards += 1
+        return sampling.probs(logits, self.temperature, self.top_p)
+
+    def _read(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, starts: torch.Tensor, width: int,
+              keep: torch.Tensor | None, max_start: torch.Tensor, token: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward `width` tokens per row from `starts` (from rows.seq, or `token` [A] when given)."""
+        if token is None:
+            index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=rows.seq.shape[1] - 1)
+            chunk = rows.seq.gather(1, index)
+        else:
+            chunk = token[:, None]
+        keep = keep if keep is not None else torch.zeros_like(starts)
+        keep = keep if keep.dim() == 2 else keep[:, None]
+        return forward(model, cache, chunk, starts, int(max_start) + width, keep.clamp(max=width - 1), self.context - 1)
+
+    def _commit(self, rows: Rows, drafts: torch.Tensor, n_acc: torch.Tensor, token: torch.Tensor,
+                n_draft: torch.Tensor, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append each row's kept drafts + its next token, cut at EOS; roll caches back to what was kept."""
+        k = drafts.shape[1]
+        new = torch.cat([drafts, token[:, None]], 1).scatter_(1, n_acc[:, None], token[:, None])  # [A, k+1]
+        j = torch.arange(k + 1, device=self.device)
+        eos = torch.isin(new, self.eos) & (j <= n_acc[:, None])
+        hit = eos.any(1)
+        n_new = torch.where(hit, eos.long().argmax(1) + 1, n_acc + 1)  # [A] tokens committed
+        rows.seq.scatter_(1, (rows.length[:, None] + j).clamp(max=rows.seq.shape[1] - 1), new)
+        if k:  # the draft read every unseen committed token, then x_1..x_fed: those the target kept stay valid
+            rows.d_len = rows.length + n_acc.clamp(max=fed).minimum(n_draft)
+        rows.t_len = rows.length + n_acc
+        rows.length = rows.length + n_new
+        rows.generated = rows.generated + n_new
+        return hit | (rows.generated >= self.max_new_tokens), n_new
+
+    def _account(self, stats: DecodeStats, old: dict, new: dict, n_draft: torch.Tensor, kept: torch.Tensor,
+                 depth: int, fed: int) -> None:
+        """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters."""
+        stats.record_step(n_draft, kept)
+        length = old["length"]
+        t_unseen = length - old["t_len"]
+        t_width = int(t_unseen.max()) + depth
+        stats.flops += self.t_flops.buckets(old["t_len"], t_width, int(old["t_len"].max()) + t_width,
+                                            t_unseen + kept, t_unseen + n_draft)
+        stats.ar_flops += float(self.t_flops.prefix(old["t_len"], t_unseen + kept).sum())
+        if not depth:
+            return
+        d_unseen = length - old["d_len"]
+        d_width = int(d_unseen.max())
+        stats.flops += self.d_flops.buckets(old["d_len"], d_width, int(old["d_len"].max()) + d_width, d_unseen, d_unseen)
+        for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it
+            read = (n_draft >= i).long()
+            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, read * (kept >= i), read)
+
+    def _retire(self, rows: Rows, host: dict, finished: torch.Tensor, caches: tuple, outputs: list[list[int]]) -> dict:
+        """Move finished rows' outputs out and drop them from the batch and the caches."""
+        done = finished.cpu()
+        if not bool(done.any()):
+            return host
+        for r in done.nonzero().flatten().tolist():
+            start, end = int(rows.prompt_len[r]), int(host["length"][r])
+            outputs[int(rows.row_ids[r])] = rows.seq[r, start:end].tolist()
+        keep = (~done).nonzero().flatten()
+        rows.select(keep.to(self.device))
+        for cache in caches:
+            if cache is not None:
+                cache.select(keep.to(self.device))
+        return {name: value[keep] for name, value in host.items()}

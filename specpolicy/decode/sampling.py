@@ -1,0 +1,78 @@
+"""Sampling and the lossless acceptance rule, batched and free of host syncs.
+
+Greedy decoding is the zero-temperature case of the same code: `probs` turns logits into one-hot
+argmax distributions, and the rejection rule below then reduces to "accept while the draft token
+equals the target's argmax, then emit the target's argmax". One path, exact in both regimes.
+
+Randomness is counter-based: the uniform for (row seed, token index, stream) is a hash, so each row
+has its own reproducible random state whatever the batch composition, and no generator is stepped
+per row in a Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+DRAFT, ACCEPT, RESIDUAL = 0, 1, 2  # independent random streams
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution a row samples from: one-hot argmax at temperature 0, else softmax(logits/T) in top-p."""
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    p = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(dim=-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set with mass >= top_p
+        p = p.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def uniform(seeds: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
+    """U(0,1) per row from a 32-bit integer hash (lowbias32) of (seed, token index, stream)."""
+    x = (seeds * 0x9E3779B1 + index * 0x85EBCA77 + stream * 0xC2B2AE3D) & M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    x = x ^ (x >> 16)
+    return (x.double() + 0.5) / 2**32
+
+
+def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of one token per row: p [B, V], u [B] -> [B]."""
+    cdf = p.double().cumsum(-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1)
+    return token.clamp(max=p.shape[-1] - 1)
+
+
+def accept(
+    draft_tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, n_draft: torch.Tensor,
+    seeds: torch.Tensor, index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Chen et al. 2023, Alg. 2; Leviathan et al. 2023) for every row at once.
+
+    draft_tokens [B, K], p [B, K, V] draft distributions, q [B, K+1, V] target distributions,
+    n_draft [B] tokens each row really drafted (<= K), index [B] token index of the first draft.
+    Draft token x_i is accepted with probability min(1, q_i(x_i) / p_i(x_i)); at the first rejection
+    the row samples from norm(max(0, q_i - p_i)), and if all are accepted from q_{n+1} (bonus token).
+    Returns (n_accepted [B], next_token [B]).
+    """
+    B, K = draft_tokens.shape
+    steps = torch.arange(K, device=p.device)
+    q_x = q[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    p_x = p.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, K]
+    u = uniform(seeds[:, None], index[:, None] + steps, ACCEPT)  # [B, K]
+    ok = (u * p_x < q_x) & (steps < n_draft[:, None])  # u < q/p without dividing by p = 0
+    n_acc = ok.long().cumprod(-1).sum(-1)  # [B] leading accepted tokens
+    q_next = q.gather(1, n_acc[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)  # [B, V]
+    p_pad = torch.cat([p, p.new_zeros(B, 1, p.shape[-1])], dim=1)  # [B, K+1, V]: no draft after the last
+    p_next = p_pad.gather(1, n_acc[:, None, None].expand(-1, 1, p.shape[-1])).squeeze(1)
+    p_next = p_next * (n_acc < n_draft)[:, None]  # bonus token: sample from q itself
+    residual = (q_next - p_next).clamp(min=0)
+    empty = residual.sum(-1, keepdim=True) <= 0  # q == p up to rounding: rejection had probability 0
+    residual = torch.where(empty, q_next, residual)
+    next_token = sample(residual, uniform(seeds, index + n_acc, RESIDUAL))
+    return n_acc, next_token

@@ -1,0 +1,68 @@
+"""What one decode run measured: tokens, time, forwards, acceptance, depth and FLOPs by bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specpolicy.cost.flops import BUCKETS
+
+
+@dataclass
+class DecodeStats:
+    max_depth: int
+    tokens: int = 0
+    wall_s: float = 0.0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    row_steps: int = 0  # (row, verify step) pairs
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: torch.Tensor = field(init=False)  # [max_depth] rows that drafted position i+1
+    accepted_at: torch.Tensor = field(init=False)  # [max_depth] rows whose position i+1 was accepted
+    flops: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # BUCKETS
+    ar_flops: float = 0.0  # what plain decoding would spend on the same output
+
+    def __post_init__(self) -> None:
+        self.drafted_at = torch.zeros(self.max_depth, dtype=torch.long)
+        self.accepted_at = torch.zeros(self.max_depth, dtype=torch.long)
+
+    def record_step(self, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        """drafted/accepted [A] draft tokens per row in one verify step (host tensors)."""
+        self.row_steps += drafted.numel()
+        self.drafted += int(drafted.sum())
+        self.accepted += int(accepted.sum())
+        positions = torch.arange(1, self.max_depth + 1)
+        self.drafted_at += (drafted[:, None] >= positions).sum(0)
+        self.accepted_at += (accepted[:, None] >= positions).sum(0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens kept per verify step and row, bonus token included."""
+        return (self.accepted + self.row_steps) / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def mean_depth(self) -> float:
+        return self.drafted / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    def flops_dict(self) -> dict[str, float]:
+        out = dict(zip(BUCKETS, self.flops.tolist()))
+        return {**out, "total": float(self.flops.sum()), "ar_equivalent": self.ar_flops}
+
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
+            "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
+            "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
+            "mean_depth": self.mean_depth, "drafted_at": self.drafted_at.tolist(),
+            "accepted_at": self.accepted_at.tolist(), "flops": self.flops_dict(),
+        }

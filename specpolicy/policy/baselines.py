@@ -1,0 +1,137 @@
+"""Baseline policies, each a few lines over the DepthPolicy interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpolicy.errors import SpecPolicyError
+from specpolicy.policy.base import DepthPolicy, StepState
+from specpolicy.rollout.features import COLUMN
+
+
+def _check_depth(name: str, k: int) -> int:
+    if k < 0:
+        raise SpecPolicyError(f"{name} depth must be >= 0, got {k}")
+    return k
+
+
+class ArPolicy(DepthPolicy):
+    """Plain autoregressive decoding: depth 0 everywhere."""
+
+
+@dataclass
+class StaticPolicy(DepthPolicy):
+    """Always draft k tokens."""
+
+    k: int = 4
+
+    def __post_init__(self) -> None:
+        self.max_depth = _check_depth("static", self.k)
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        return torch.full_like(state.generated, self.k)
+
+
+@dataclass
+class DisableByBatchPolicy(StaticPolicy):
+    """Draft k tokens, but none once `threshold` or more rows are in flight (vLLM's disable-by-batch-size)."""
+
+    threshold: int = 8
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        return torch.full_like(state.generated, self.k if state.rows < self.threshold else 0)
+
+
+@dataclass
+class HeuristicPolicy(DepthPolicy):
+    """Transformers' schedule, per row: +2 after a step whose drafts were all accepted, -1 otherwise."""
+
+    initial: int = 5
+    max_k: int = 16
+    min_k: int = 1
+
+    def __post_init__(self) -> None:
+        self.max_depth = _check_depth("heuristic", self.max_k)
+        self._k = torch.empty(0, dtype=torch.long)
+
+    def reset(self, batch_size: int) -> None:
+        self._k = torch.full((batch_size,), self.initial, dtype=torch.long)
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        self._k = self._k.to(state.row_ids.device)
+        return self._k[state.row_ids]
+
+    def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        step = torch.where(accepted >= drafted, 2, -1)
+        self._k[state.row_ids] = (self._k[state.row_ids] + step).clamp(self.min_k, self.max_k)
+
+
+@dataclass
+class ThresholdPolicy(DepthPolicy):
+    """Draft up to k tokens, stopping a row at the first position whose feature crosses `threshold`."""
+
+    k: int = 8
+    threshold: float = 0.5
+    feature: str = "top1"
+    stop_above: bool = False  # top1: stop when below the threshold; entropy: stop when above it
+
+    def __post_init__(self) -> None:
+        self.max_depth = _check_depth(type(self).__name__, self.k)
+        if self.feature not in COLUMN:
+            raise SpecPolicyError(f"unknown feature {self.feature!r}; choose from {list(COLUMN)}")
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        return torch.full_like(state.generated, self.k)
+
+    def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
+        value = features[:, COLUMN[self.feature]]
+        return value <= self.threshold if self.stop_above else value >= self.threshold
+
+
+@dataclass
+class ConfidencePolicy(ThresholdPolicy):
+    """Stop when the draft's top-1 probability falls below `threshold`."""
+
+
+@dataclass
+class EntropyPolicy(ThresholdPolicy):
+    """Stop when the draft's entropy (nats) rises above `threshold`."""
+
+    threshold: float = 1.0
+    feature: str = "entropy"
+    stop_above: bool = True
+
+
+@dataclass
+class OraclePolicy(DepthPolicy):
+    """Hindsight upper bound for greedy decoding, not a method.
+
+    Knows the target's greedy continuation of every row (from a prior plain run, `set_reference`)
+    and drafts while the draft's token matches it, up to k: nothing it sends is rejected.
+    """
+
+    k: int = 8
+    greedy_only = True
+
+    def __post_init__(self) -> None:
+        self.max_depth = _check_depth("oracle", self.k)
+        self._reference: torch.Tensor | None = None
+
+    def set_reference(self, outputs: list[list[int]]) -> None:
+        width = max(map(len, outputs)) + self.k + 1
+        ref = torch.full((len(outputs), width), -1, dtype=torch.long)
+        for i, out in enumerate(outputs):
+            ref[i, : len(out)] = torch.tensor(out, dtype=torch.long)
+        self._reference = ref
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        if self._reference is None:
+            raise SpecPolicyError("the oracle policy needs the target's greedy outputs first (set_reference)")
+        return torch.full_like(state.generated, self.k)
+
+    def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
+        ref = self._reference.to(tokens.device)
+        index = (state.generated + position - 1).clamp(max=ref.shape[1] - 1)
+        return ref[state.row_ids, index] == tokens

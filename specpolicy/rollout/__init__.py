@@ -1,0 +1,1 @@
+"""Draft-confidence features (one definition for decoding and collection) and rollout collection."""
