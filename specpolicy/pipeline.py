@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from specpolicy.data import encode_prompts
 from specpolicy.errors import SpecPolicyError
-from specpolicy.models import LoadedModel
+from specpolicy.eval.runner import format_table, side_by_side, summarise
+from specpolicy.models import LoadedModel, check_compatible
 
 log = logging.getLogger("specpolicy")
 
@@ -46,13 +47,18 @@ def train(cfg: DictConfig) -> None:
 
 
 def evaluate(cfg: DictConfig) -> None:
-    """Greedy generation with the target on a few prompts, printed."""
+    """Decode validation prompts with every policy in `eval.policies`, side by side, and print the table."""
     target = load_target(cfg)
+    draft = instantiate(cfg.draft).build(target)
+    check_compatible(target, draft)
+    engine = instantiate(cfg.engine)(target.model, draft.model)
     conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]
-    max_new = cfg.engine.max_new_tokens
-    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=max_new)
-    device = target.model.device
-    for conversation, ids in zip(conversations, prompts):
-        out = target.model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False)
-        text = target.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-        print(f"\n>>> {conversation[-1]['content']}\n{text}")
+    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
+    policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items()}
+    runs = side_by_side(engine, prompts, policies, cfg.eval.batch_size)
+    rows = summarise(runs)
+    print(f"\ntarget {target.name}, draft {draft.name}, {len(prompts)} prompts, batch {cfg.eval.batch_size}, "
+          f"{engine.max_new_tokens} new tokens, temperature {engine.temperature}, device {engine.device}\n")
+    print(format_table(rows))
+    for conversation, output in list(zip(conversations, runs["ar"].outputs))[: cfg.eval.show]:
+        print(f"\n>>> {conversation[-1]['content']}\n{target.tokenizer.decode(output, skip_special_tokens=True)}")

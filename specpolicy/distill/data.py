@@ -1,0 +1,162 @@
+"""Distillation data: responses to the training prompts, with the target's top-k next-token log-probs.
+
+Two sources (DistillSpec, Zhou et al. 2024, §4: on-policy data helps): `target` (self-distillation:
+the target's own responses) and `draft` (the draft generates, the target scores: data from the
+draft's own distribution, generated once with the initial draft). Either way the target scores every
+response in one teacher-forced pass, so a row holds the sequence plus, per response position, the
+target's top-k log-probs.
+
+Generating is the slow part on a CPU (minutes for a few hundred responses), so each dataset is saved
+with `datasets.save_to_disk` under a key that hashes everything it depends on (both models' configs
+and weights, the prompt ids, the generation settings) and is reloaded on reruns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from specpolicy.errors import SpecPolicyError
+
+log = logging.getLogger(__name__)
+SOURCES = ("target", "draft")
+
+
+@dataclass
+class DistillData:
+    """What to generate and cache; `conf/distill/*.yaml` sets it under `distill.data`."""
+
+    source: str = "target"  # target | draft: who writes the responses (the target always scores)
+    train_prompts: int | None = 400  # first N prompts of the train split (None: all)
+    val_prompts: int | None = 64  # first N prompts of the validation split
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # of the generator; 0 = greedy
+    top_k: int = 64  # target log-probs kept per position; 0 = keep none (targets computed on the fly)
+    batch_size: int = 16  # generation and scoring batch
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise SpecPolicyError(f"distill.data.source={self.source!r}; choose one of {list(SOURCES)}")
+
+    def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
+        settings = {k: v for k, v in asdict(self).items() if k not in ("train_prompts", "val_prompts", "batch_size")}
+        blob = json.dumps({"target": fingerprint(target), "generator": fingerprint(generator), "prompts": prompts,
+                           "settings": settings, "top_k": top_k}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def build(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int,
+              cache_dir: str | Path, desc: str) -> Path:
+        """Generate and score once; later calls (and other ranks) find the folder and return at once."""
+        out = Path(cache_dir) / "distill" / f"{desc}-{self.key(target, generator, prompts, top_k)}"
+        if (out / "dataset_info.json").exists():
+            log.info("distillation data %s: cached at %s", desc, out)
+            return out
+        temperature = self.temperature
+        responses = generate_responses(generator, prompts, self.max_new_tokens, self.batch_size, temperature,
+                                       self.seed, desc=f"generating {desc} responses ({self.source})")
+        rows = {"input_ids": [p + r for p, r in zip(prompts, responses)], "prompt_len": [len(p) for p in prompts]}
+        if top_k:
+            rows["topk_ids"], rows["topk_logp"] = score(target, rows["input_ids"], rows["prompt_len"], top_k,
+                                                        self.batch_size, desc=f"scoring {desc} responses")
+        _save_atomically(datasets.Dataset.from_dict(rows), out)
+        return out
+
+
+def fingerprint(model: PreTrainedModel) -> str:
+    """Config + a sample of every weight: two models hash alike only if they compute alike (in practice)."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@torch.inference_mode()
+def generate_responses(model: PreTrainedModel, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
+                       temperature: float = 0.0, seed: int = 0, desc: str = "generating") -> list[list[int]]:
+    """Each prompt's response (EOS included when hit), decoded by the engine in batches."""
+    from specpolicy.decode import Engine
+    from specpolicy.policy import ArPolicy
+
+    engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    out: list[list[int]] = []
+    for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, unit="batch"):
+        out += engine.generate(prompt_ids[start:start + batch_size], ArPolicy()).outputs
+    return out
+
+
+@torch.inference_mode()
+def score(target: PreTrainedModel, sequences: list[list[int]], prompt_lens: list[int], top_k: int, batch_size: int,
+          desc: str = "scoring") -> tuple[list, list]:
+    """Per sequence, the target's top-k (ids, log-probs) at each position that predicts a response token."""
+    all_ids, all_logp = [], []
+    for start in tqdm(range(0, len(sequences), batch_size), desc=desc, unit="batch"):
+        batch = collate_rows([{"input_ids": s, "prompt_len": n} for s, n in
+                              zip(sequences[start:start + batch_size], prompt_lens[start:start + batch_size])],
+                             pad_id=0, max_length=None)
+        batch = {k: v.to(target.device) for k, v in batch.items()}
+        logp = torch.log_softmax(masked_logits(target, batch).float(), -1)  # [N, V]
+        top = logp.topk(top_k, dim=-1)  # [N, k]
+        counts = batch["loss_mask"].sum(1).tolist()
+        for ids, lp in zip(top.indices.split(counts), top.values.split(counts)):
+            all_ids.append(ids.int().cpu().tolist())
+            all_logp.append(lp.half().float().cpu().tolist())  # fp16 precision is plenty, and rows stay small
+    return all_ids, all_logp
+
+
+def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits [N, V] at the positions of `loss_mask` only, in row-major order: the LM head over a
+    49k vocabulary is the largest matmul of a small draft, so it is not run on prompt tokens."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model wraps the HF one
+    hidden = hf.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return hf.get_output_embeddings()(hidden[batch["loss_mask"]])  # [B, L, H] -> [N, H] -> [N, V]
+
+
+def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[str, torch.Tensor]:
+    """Right-padded batch; `loss_mask` marks positions whose next token is a response token.
+
+    With cached targets, `topk_ids`/`topk_logp` [N, k] follow the same row-major order as
+    `input_ids[loss_mask]`, truncated with the sequence at `max_length`.
+    """
+    seqs = [r["input_ids"][:max_length] for r in rows]
+    B, L = len(seqs), max(map(len, seqs))
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    loss_mask = torch.zeros(B, L, dtype=torch.bool)
+    n_pos = []
+    for b, (seq, row) in enumerate(zip(seqs, rows)):
+        input_ids[b, : len(seq)] = torch.tensor(seq)
+        attention_mask[b, : len(seq)] = 1
+        loss_mask[b, row["prompt_len"] - 1: len(seq) - 1] = True
+        n_pos.append(max(len(seq) - row["prompt_len"], 0))
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if "topk_ids" in rows[0]:
+        k = len(rows[0]["topk_ids"][0])
+        batch["topk_ids"] = torch.cat([torch.tensor(r["topk_ids"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
+        batch["topk_logp"] = torch.cat([torch.tensor(r["topk_logp"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
+    return batch
+
+
+def _save_atomically(dataset: datasets.Dataset, out: Path) -> None:
+    """A killed run leaves a temporary folder, never a half-written dataset that a rerun would trust."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        dataset.save_to_disk(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,155 @@
+"""Lightning wrappers: the draft learns the frozen target's next-token distributions.
+
+`DistillModule` trains the draft; its validation measures what speculative decoding pays for:
+greedy top-1 agreement with the target and the expected acceptance of one draft token, 1 − TVD(p, q).
+`DistillDataModule` generates and caches the data (rank 0, `prepare_data`) and feeds it through a
+sampler whose batch at step s depends only on (seed, s), so a run resumed from `last.ckpt` sees
+exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import datasets
+import torch
+from lightning import LightningDataModule, LightningModule
+from torch.utils.data import DataLoader, Sampler
+from torchmetrics import MeanMetric
+from transformers import PreTrainedModel
+
+from specpolicy.distill.data import DistillData, collate_rows, masked_logits
+from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
+from specpolicy.errors import SpecPolicyError
+
+Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p_logp [N, V], q_logp [N, V]) -> [N]
+
+
+class DistillModule(LightningModule):
+    """Trains `draft` (full or LoRA) to match the frozen `target`; only the draft is saved in checkpoints."""
+
+    def __init__(self, draft: PreTrainedModel, target: PreTrainedModel, loss: Divergence,
+                 optimizer: Callable, scheduler: Callable | None = None, temperature: float = 1.0):
+        super().__init__()
+        self.draft = draft
+        # Not a submodule: the frozen target stays out of every checkpoint, the optimizer and DDP's sync.
+        object.__setattr__(self, "target", target.eval().requires_grad_(False))
+        self.loss_fn, self.temperature = loss, temperature
+        self.make_optimizer, self.make_scheduler = optimizer, scheduler
+        self.val_metrics = torch.nn.ModuleDict({k: MeanMetric() for k in ("loss", "agreement", "expected_acceptance")})
+
+    def on_fit_start(self) -> None:
+        self.target.to(self.device)
+
+    def on_validation_start(self) -> None:
+        self.target.to(self.device)
+
+    def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits [N, V] and target log-probs at temperature 1 [N, V], at the response positions."""
+        p_logits = masked_logits(self.draft, batch)
+        if "topk_ids" in batch:  # cached when the data was generated
+            return p_logits, dense_from_topk(batch["topk_ids"], batch["topk_logp"], p_logits.shape[-1])
+        with torch.no_grad():  # on the fly
+            return p_logits, log_probs(masked_logits(self.target, batch))
+
+    def _loss(self, p_logits: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
+        T = self.temperature
+        q_T = q_logp if T == 1.0 else torch.log_softmax(q_logp / T, -1)  # exact on top-k, tail approximated
+        return self.loss_fn(log_probs(p_logits, T), q_T).mean()  # mean over response tokens
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(*self._distributions(batch))
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        p_logits, q_logp = self._distributions(batch)
+        n = p_logits.shape[0]
+        values = {
+            "loss": self._loss(p_logits, q_logp),
+            "agreement": (p_logits.argmax(-1) == q_logp.argmax(-1)).float().mean(),
+            "expected_acceptance": (1.0 - tvd(log_probs(p_logits), q_logp)).mean(),  # sampling at T = 1
+        }
+        for name, value in values.items():  # token-weighted over the whole set, summed across ranks
+            self.val_metrics[name].update(value, n)
+            self.log(f"val/{name}", self.val_metrics[name], prog_bar=name == "agreement")
+
+    def configure_optimizers(self):
+        optimizer = self.make_optimizer([p for p in self.draft.parameters() if p.requires_grad])
+        if self.make_scheduler is None:
+            return optimizer
+        scheduler = self.make_scheduler(optimizer, num_training_steps=self.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class StepBatchSampler(Sampler[list[int]]):
+    """Batches for steps [start, steps): step s takes slice s of a permutation seeded by (seed, epoch of s).
+
+    `len` is the whole run (`steps`), so Lightning's progress counters, restored from a checkpoint,
+    line up with the batches this sampler still has to yield. Under DDP each rank takes every
+    world-th row of the global batch.
+    """
+
+    def __init__(self, n: int, batch_size: int, steps: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
+        self.global_batch = batch_size * world
+        if n < self.global_batch:
+            raise SpecPolicyError(f"{n} training sequences cannot fill a batch of {batch_size} x {world} ranks; "
+                                  f"raise distill.data.train_prompts or lower distill.batch_size")
+        self.n, self.steps, self.seed, self.start, self.rank, self.world = n, steps, seed, start, rank, world
+        self.per_epoch = n // self.global_batch
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for step in range(self.start, self.steps):
+            epoch, i = divmod(step, self.per_epoch)
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            yield perm[i * self.global_batch:(i + 1) * self.global_batch][self.rank::self.world].tolist()
+
+
+class DistillDataModule(LightningDataModule):
+    """Train rows from `data.source`, validation rows from the target's greedy responses to held-out prompts."""
+
+    def __init__(self, data: DistillData, target: PreTrainedModel, draft: PreTrainedModel,
+                 train_prompts: list[list[int]], val_prompts: list[list[int]], cache_dir: str | Path,
+                 batch_size: int, max_length: int, pad_id: int, cached_targets: bool, seed: int = 0):
+        super().__init__()
+        self.data, self.target, self.draft = data, target, draft
+        self.prompts = {"train": train_prompts, "validation": val_prompts}
+        self.cache_dir, self.batch_size, self.seed = cache_dir, batch_size, seed
+        self.top_k = data.top_k if cached_targets else 0
+        if cached_targets and not data.top_k:
+            raise SpecPolicyError("distill.target_probs=cached needs distill.data.top_k > 0")
+        self.collate = partial(collate_rows, pad_id=pad_id, max_length=max_length)
+        self._paths: dict[str, Path] = {}
+        self.sets: dict[str, datasets.Dataset] = {}
+
+    def _build(self) -> dict[str, Path]:
+        """Paths of both datasets, generated if missing; fixed at first call (later the draft has trained)."""
+        if not self._paths:
+            generator = self.target if self.data.source == "target" else self.draft
+            val = replace(self.data, source="target", temperature=0.0)
+            self._paths = {
+                "train": self.data.build(self.target, generator, self.prompts["train"], self.top_k, self.cache_dir, "train"),
+                "validation": val.build(self.target, self.target, self.prompts["validation"], 0, self.cache_dir, "val"),
+            }
+        return self._paths
+
+    def prepare_data(self) -> None:
+        self._build()
+
+    def setup(self, stage: str) -> None:
+        self.sets = {k: datasets.load_from_disk(str(p)) for k, p in self._build().items()}
+
+    def train_dataloader(self) -> DataLoader:
+        t = self.trainer
+        sampler = StepBatchSampler(len(self.sets["train"]), self.batch_size, t.max_steps, self.seed,
+                                   start=t.global_step, rank=t.global_rank, world=t.world_size)
+        return DataLoader(self.sets["train"], batch_sampler=sampler, collate_fn=self.collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets["validation"], batch_size=self.batch_size, shuffle=False, collate_fn=self.collate)

@@ -1,0 +1,1 @@
+"""Side-by-side benchmark of depth policies on one engine, and its reports."""
