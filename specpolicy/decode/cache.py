@@ -3,8 +3,9 @@
 The transformers Cache API lets a model call `cache.update(k, v, layer_idx)`; this cache answers by
 scattering the new keys/values of row b at positions `start[b] + i` and returning the buffer up to
 the longest row. Rolling back a row (rejected draft tokens) is just a smaller `start` next time: the
-stale slots are masked and later overwritten, never copied. Padding slots of short rows are written
-to a trash slot at the end of the buffer that no query ever sees.
+stale slots are masked and later overwritten, never copied. Padding slots of short rows land past the
+row's length (masked, overwritten before anyone reads them), or, past the buffer's end, in a trash
+slot that no query ever sees.
 """
 
 from __future__ import annotations

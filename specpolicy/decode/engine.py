@@ -82,6 +82,7 @@ class Engine:
         self.device = target.device
         self.eos = torch.tensor(eos, dtype=torch.long, device=self.device)
         self.context = context_length(target.config)
+        self.vocab = target.get_output_embeddings().weight.shape[0]
         self.t_flops = FlopModel.from_model(target)
         self.d_flops = FlopModel.from_model(draft) if draft is not None else None
 
@@ -141,15 +142,15 @@ class Engine:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
         else:  # nobody drafts: the draft catches up later, in one chunk
             drafts = rows.seq.new_zeros(rows.seq.shape[0], 0)
-            p, n_draft, fed = None, torch.zeros_like(budget), 0
+            p = torch.zeros(rows.seq.shape[0], 0, self.vocab, device=self.device)
+            n_draft, fed = torch.zeros_like(budget), 0
         q = self._verify(rows, host, caches[0], drafts, n_draft, stats)
-        if p is None:
-            p = q.new_zeros(q.shape[0], 0, q.shape[-1])
         n_acc, token = sampling.accept(drafts, p, q, n_draft, rows.seeds, rows.generated)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
         policy.observe(state, n_draft, n_acc)
         new_host = rows.host()
-        self._account(stats, host, new_host, n_draft.cpu(), (n_new - 1).cpu(), depth, fed)
+        stats.record_step(n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())  # an accepted EOS draft ends the row
+        self._account(stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
         return self._retire(rows, new_host, finished, caches, outputs)
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
@@ -224,10 +225,12 @@ class Engine:
         rows.generated = rows.generated + n_new
         return hit | (rows.generated >= self.max_new_tokens), n_new
 
-    def _account(self, stats: DecodeStats, old: dict, new: dict, n_draft: torch.Tensor, kept: torch.Tensor,
-                 depth: int, fed: int) -> None:
-        """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters."""
-        stats.record_step(n_draft, kept)
+    def _account(self, stats: DecodeStats, old: dict, drafted_kept: tuple[torch.Tensor, torch.Tensor], depth: int,
+                 fed: int) -> None:
+        """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters.
+
+        `kept` counts the drafts whose slots produced a committed token (a read of EOS produces none)."""
+        n_draft, kept = drafted_kept
         length = old["length"]
         t_unseen = length - old["t_len"]
         t_width = int(t_unseen.max()) + depth

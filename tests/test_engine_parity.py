@@ -1,0 +1,228 @@
+"""Greedy speculative decoding is plain greedy decoding: every policy, batch size, family and EOS pattern.
+
+The reference is transformers' own `generate` at batch 1, so a bug shared by the engine's speculative
+and plain paths (the cache, the masks, positions) is caught too, not only a speculative-vs-plain mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from specpolicy.decode import DecodeResult, Engine
+from specpolicy.models import LoadedModel
+from specpolicy.models.draft import LayerSubsetDraft
+from specpolicy.policy import (
+    ArPolicy,
+    ConfidencePolicy,
+    DepthPolicy,
+    DisableByBatchPolicy,
+    EntropyPolicy,
+    HeuristicPolicy,
+    OraclePolicy,
+    StaticPolicy,
+    StepState,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+N = 12  # max_new_tokens of the main runs
+PROMPT_LENGTHS = (1, 20, 7, 3, 13, 2, 17, 9)  # ragged, batch 8
+NO_EOS: tuple[int, ...] = ()
+
+# Thresholds sit inside the tiny models' feature ranges (top1 ~0.1-0.5, entropy ~2.2-3.9 nats), so
+# rows stop at different positions; the draft with layers [0, 1, 2] agrees with the target ~20% of the time.
+POLICIES: dict[str, Callable[[], DepthPolicy]] = {
+    "ar": ArPolicy,
+    "static1": lambda: StaticPolicy(k=1),
+    "static3": lambda: StaticPolicy(k=3),
+    "disable_by_batch": lambda: DisableByBatchPolicy(k=3, threshold=3),  # batch 8 starts plain, drafts later
+    "heuristic": lambda: HeuristicPolicy(initial=2, max_k=6),
+    "confidence": lambda: ConfidencePolicy(k=4, threshold=0.25),
+    "entropy": lambda: EntropyPolicy(k=4, threshold=3.2),
+    "oracle": lambda: OraclePolicy(k=4),
+}
+DRAFT_LAYERS = {"partial": [0, 1, 2], "same": [0, 1, 2, 3]}
+
+
+@dataclass
+class Case:
+    """One family's target, drafts, prompts, and the transformers-generate references (cached)."""
+
+    target: LoadedModel
+    drafts: dict[str, LoadedModel]
+    prompts: list[list[int]]
+    eos: int = -1  # chosen so several rows stop early, at different steps
+    early: list[int] = field(default_factory=list)  # rows that stop early, earliest first
+    _refs: dict = field(default_factory=dict)
+
+    def reference(self, row: int, eos: tuple[int, ...], n: int) -> list[int]:
+        key = (row, eos, n)
+        if key not in self._refs:
+            prompt = self.prompts[row]
+            out = self.target.model.generate(
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=list(eos),
+                pad_token_id=self.target.tokenizer.pad_token_id,
+            )
+            self._refs[key] = out[0, len(prompt):].tolist()
+        return self._refs[key]
+
+    def run(self, policy: str | DepthPolicy, draft: str, rows: list[int], eos: tuple[int, ...], n: int) -> DecodeResult:
+        policy = POLICIES[policy]() if isinstance(policy, str) else policy
+        if isinstance(policy, OraclePolicy):
+            policy.set_reference([self.reference(r, eos, n) for r in rows])
+        engine = Engine(self.target.model, self.drafts[draft].model, max_new_tokens=n, eos_token_id=list(eos))
+        return engine.generate([self.prompts[r] for r in rows], policy)
+
+
+def pick_eos(refs: list[list[int]]) -> tuple[int, list[int]]:
+    """A token that some row first emits at its 3rd-5th position, stopping the most rows at distinct steps."""
+    best, best_score = None, (-1, -1)
+    for token in set(sum(refs, [])):
+        first = {r: ref.index(token) for r, ref in enumerate(refs) if token in ref[: len(ref) - 1]}
+        if not any(2 <= i <= 4 for i in first.values()):
+            continue
+        score = (len(set(first.values())), len(first))
+        if score > best_score:
+            best, best_score = token, score
+    assert best is not None, "no token to use as EOS; change the prompts' seed"
+    first = {r: ref.index(best) for r, ref in enumerate(refs) if best in ref[: len(ref) - 1]}
+    return best, sorted(first, key=first.get)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def case(request, tiny_model) -> Case:
+    target = tiny_model(request.param)
+    drafts = {name: LayerSubsetDraft(layers=layers).build(target) for name, layers in DRAFT_LAYERS.items()}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    case = Case(target, drafts, prompts)
+    case.eos, case.early = pick_eos([case.reference(r, NO_EOS, N) for r in range(len(prompts))])
+    assert len(case.early) >= 2, "the EOS token should stop several rows early"
+    return case
+
+
+def settings(case: Case, draft: str) -> list[tuple[list[int], tuple[int, ...], int]]:
+    """(rows, eos, max_new_tokens): batch 1, 3 and 8 with rows stopping early, no EOS, and 1 new token.
+
+    The identical draft (every draft accepted: bonus tokens, EOS inside the accepted drafts) runs the
+    batched settings only, to keep the suite fast.
+    """
+    eos, first = (case.eos,), case.early[0]
+    everyone = list(range(len(case.prompts)))
+    three = [first, case.early[-1], *(r for r in everyone if r not in case.early)][:3]
+    if draft == "same":
+        return [(three, eos, N), (everyone, eos, N), (everyone, eos, 1)]
+    return [([first], eos, N), (three, eos, N), (everyone, eos, N), (everyone, NO_EOS, N), (everyone, eos, 1)]
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_LAYERS))
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_greedy_output_equals_transformers_generate(case: Case, policy: str, draft: str) -> None:
+    for rows, eos, n in settings(case, draft):
+        result = case.run(policy, draft, rows, eos, n)
+        expected = [case.reference(r, eos, n) for r in rows]
+        assert result.outputs == expected, f"{policy}/{draft}: rows={rows} eos={eos} max_new_tokens={n}"
+
+
+def test_early_eos_rows_stop_at_different_steps(case: Case) -> None:
+    """Guards the parity test's coverage: EOS really ends rows early, and not all at once."""
+    lengths = [len(case.reference(r, (case.eos,), N)) for r in case.early]
+    assert min(lengths) <= 5 and len(set(lengths)) >= 2 and max(lengths) < N
+
+
+@pytest.mark.parametrize("policy", ["static3", "heuristic"])
+def test_greedy_parity_at_the_context_limit(tiny_model, policy: str) -> None:
+    """Prompt + max_new_tokens == context: padding slots past the last position must not break real ones."""
+    target = tiny_model("llama", max_position_embeddings=32)
+    draft = LayerSubsetDraft(layers=[0, 1, 2]).build(target)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 4, 13)]
+    case = Case(target, {"partial": draft}, prompts)
+    rows = [0, 1, 2]
+    assert case.run(policy, "partial", rows, NO_EOS, N).outputs == [case.reference(r, NO_EOS, N) for r in rows]
+
+
+class AlternatingPolicy(DepthPolicy):
+    """Depth 0 for every row on every third step; otherwise 4 for rows whose (row id + step) is even, else 0.
+
+    So the draft skips steps (all rows, or some rows) and must catch up on what it did not read.
+    """
+
+    max_depth = 4
+
+    def reset(self, batch_size: int) -> None:
+        self.step, self.budgets = 0, []
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        deep = (state.row_ids + self.step) % 2 == 0
+        depth = torch.where(deep, 4, 0) if self.step % 3 != 2 else torch.zeros_like(state.row_ids)
+        self.step += 1
+        self.budgets.append(depth)
+        return depth
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_LAYERS))
+def test_skipped_steps_keep_the_draft_cache_fresh(case: Case, draft: str) -> None:
+    everyone = list(range(len(case.prompts)))
+    for eos in ((case.eos,), NO_EOS):
+        policy = AlternatingPolicy()
+        result = case.run(policy, draft, everyone, eos, N)
+        assert result.outputs == [case.reference(r, eos, N) for r in everyone], f"eos={eos}"
+        depths = torch.cat(policy.budgets)
+        assert bool((depths == 0).any()) and bool((depths == 4).any())
+        if draft == "same" and eos == NO_EOS:  # a stale draft cache would make the identical draft disagree
+            assert result.stats.drafted > 0
+            assert result.stats.acceptance_rate == 1.0
+
+
+# ---------------------------------------------------------------- stats
+
+
+@pytest.mark.parametrize("policy", ["ar", "static3", "heuristic", "confidence"])
+def test_stats_are_consistent(case: Case, policy: str) -> None:
+    everyone = list(range(len(case.prompts)))
+    for eos in (NO_EOS, (case.eos,)):
+        result = case.run(policy, "partial", everyone, eos, N)
+        outputs, stats = result.outputs, result.stats
+        assert stats.tokens == sum(map(len, outputs))
+        assert stats.mean_accepted == pytest.approx((stats.accepted + stats.row_steps) / stats.row_steps)
+        # Each row-step keeps its accepted drafts + 1 token; a step that ends at an EOS drafted and accepted
+        # keeps no extra token, so with EOS only the inequality is required.
+        if eos == NO_EOS:
+            assert stats.tokens == stats.accepted + stats.row_steps
+        assert stats.tokens <= stats.accepted + stats.row_steps
+        assert int(stats.drafted_at.sum()) == stats.drafted and int(stats.accepted_at.sum()) == stats.accepted
+        assert bool((stats.drafted_at[1:] <= stats.drafted_at[:-1]).all()), stats.drafted_at
+        assert bool((stats.accepted_at[1:] <= stats.accepted_at[:-1]).all()), stats.accepted_at
+        assert bool((stats.accepted_at <= stats.drafted_at).all())
+        assert stats.target_forwards >= max(map(len, outputs)) / (stats.max_depth + 1)
+    if policy == "ar":
+        assert stats.drafted == 0 and stats.draft_forwards == 0
+        assert stats.target_forwards == max(map(len, outputs))  # one token per row per step
+
+
+def test_static_with_identical_draft_keeps_every_draft(case: Case) -> None:
+    everyone = list(range(len(case.prompts)))
+    stats = case.run("static3", "same", everyone, NO_EOS, N).stats
+    assert stats.acceptance_rate == 1.0
+    assert stats.target_forwards == -(-N // 4)  # k + 1 = 4 tokens per step
+    assert stats.mean_accepted == pytest.approx(N / stats.target_forwards)
+
+
+@pytest.mark.parametrize("eos", ["none", "early"])
+def test_oracle_with_identical_draft_is_never_rejected(case: Case, eos: str) -> None:
+    everyone = list(range(len(case.prompts)))
+    stats = case.run("oracle", "same", everyone, NO_EOS if eos == "none" else (case.eos,), N).stats
+    assert stats.drafted > 0
+    assert stats.acceptance_rate == 1.0, (stats.accepted, stats.drafted)
+
+
+def test_oracle_never_sends_a_rejected_token(case: Case) -> None:
+    """With a weak draft the oracle drafts less, but whatever it drafts is the target's own continuation."""
+    everyone = list(range(len(case.prompts)))
+    stats = case.run("oracle", "partial", everyone, NO_EOS, N).stats
+    assert 0 < stats.drafted == stats.accepted

@@ -1,0 +1,127 @@
+"""Speculative sampling keeps the target's distribution exactly, and the test is strong enough to see a wrong rule.
+
+With an 8-token vocabulary the exact joint distribution of 3 generated tokens (512 outcomes) is a few
+direct target forwards away; thousands of independent rows (each row has its own seed) give the
+empirical joint, and a chi-square test compares them. Depth 2 with 3 new tokens exercises the first
+draft position, the second, and the bonus token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specpolicy.decode import Engine, sampling
+from specpolicy.policy import StaticPolicy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, NEW, ROWS = 8, 3, 5000
+PROMPT = [1, 2, 3]
+# initializer_range 0.1 keeps the tiny models' distributions broad; a draft with another seed then
+# agrees with the target about half the time, so acceptance, rejection and bonus tokens all happen.
+# Two layers halve the cost of the 5000-row runs; nothing here depends on depth.
+SMALL_VOCAB = dict(
+    vocab_size=V, bos_token_id=5, pad_token_id=6, eos_token_id=7, initializer_range=0.1, num_hidden_layers=2,
+)
+WARPS = [(1.0, 1.0), (0.7, 0.8)]  # (temperature, top_p)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    return tiny_model("llama", seed=0, **SMALL_VOCAB).model, tiny_model("llama", seed=1, **SMALL_VOCAB).model
+
+
+def exact_joint(model, prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
+    """P(t_1..t_n) under the target with the engine's warping, flattened as t_1 * V^(n-1) + ... + t_n."""
+    seqs, joint = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(n):
+            q = sampling.probs(model(seqs).logits[:, -1].float(), temperature, top_p).double()  # [S, V]
+            joint = (joint[:, None] * q).reshape(-1)
+            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
+    return joint
+
+
+def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value; cells expected below 5 are pooled into one so the chi-square law holds."""
+    expected = expected_probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def sampled_joint(models, temperature: float, top_p: float, seed: int = 0) -> tuple[torch.Tensor, float]:
+    target, draft = models
+    engine = Engine(target, draft, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed, eos_token_id=[])
+    result = engine.generate([PROMPT] * ROWS, StaticPolicy(k=2))
+    out = torch.tensor(result.outputs)  # [ROWS, NEW]: no EOS, so every row is full length
+    index = (out * V ** torch.arange(NEW - 1, -1, -1)).sum(1)
+    return torch.bincount(index, minlength=V**NEW), result.stats.acceptance_rate
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), WARPS)
+def test_sampling_keeps_the_target_distribution(models, temperature: float, top_p: float) -> None:
+    counts, acceptance = sampled_joint(models, temperature, top_p)
+    assert 0.2 < acceptance < 0.9, "the draft should be accepted only partly, or the test proves little"
+    p_value = chi_square_p(counts, exact_joint(models[0], PROMPT, NEW, temperature, top_p))
+    assert p_value > 1e-3, f"empirical joint differs from the target's (chi-square p={p_value:.2e})"
+
+
+def accept_always(draft_tokens, p, q, n_draft, seeds, index):
+    """Wrong: keep every draft token, then a bonus token from q."""
+    n_acc = n_draft
+    q_next = q.gather(1, n_acc[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
+    return n_acc, sampling.sample(q_next, sampling.uniform(seeds, index + n_acc, sampling.RESIDUAL))
+
+
+def make_residual_from_q(accept):
+    """Wrong: the right acceptance test, but the correction token is drawn from q instead of norm(max(0, q - p))."""
+
+    def wrong(draft_tokens, p, q, n_draft, seeds, index):
+        n_acc, _ = accept(draft_tokens, p, q, n_draft, seeds, index)
+        q_next = q.gather(1, n_acc[:, None, None].expand(-1, 1, q.shape[-1])).squeeze(1)
+        return n_acc, sampling.sample(q_next, sampling.uniform(seeds, index + n_acc, sampling.RESIDUAL))
+
+    return wrong
+
+
+@pytest.mark.parametrize("rule", ["accept_always", "residual_from_q"])
+@pytest.mark.parametrize(("temperature", "top_p"), WARPS)
+def test_the_test_rejects_a_wrong_acceptance_rule(models, monkeypatch, rule: str, temperature: float,
+                                                 top_p: float) -> None:
+    wrong = accept_always if rule == "accept_always" else make_residual_from_q(sampling.accept)
+    monkeypatch.setattr(sampling, "accept", wrong)
+    counts, _ = sampled_joint(models, temperature, top_p)
+    p_value = chi_square_p(counts, exact_joint(models[0], PROMPT, NEW, temperature, top_p))
+    assert p_value < 1e-6, f"a wrong rule ({rule}) passed the distribution test (p={p_value:.2e})"
+
+
+def test_seeds_reproduce(models) -> None:
+    target, draft = models
+    run = lambda seed: Engine(target, draft, max_new_tokens=6, temperature=1.0, seed=seed, eos_token_id=[]) \
+        .generate([PROMPT, [4, 0], [2]] * 4, StaticPolicy(k=3)).outputs  # noqa: E731
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_a_rows_sample_does_not_depend_on_the_other_rows(models) -> None:
+    """Counter-based randomness: row r's tokens depend on its seed and prompt, not on its batch mates."""
+    target, draft = models
+    run = lambda prompts: Engine(target, draft, max_new_tokens=6, temperature=1.0, seed=5, eos_token_id=[]) \
+        .generate(prompts, StaticPolicy(k=3)).outputs  # noqa: E731
+    alone, crowded = run([PROMPT]), run([PROMPT, [4, 0, 1, 1, 2, 3], [2]])
+    assert alone[0] == crowded[0]
+
+
+def test_chi_square_p_value_matches_tables() -> None:
+    """60/40 heads in 100 fair flips: chi-square 4.0 on 1 df, p = 0.0455; 10 cells off by 10 each: p from tables."""
+    assert math.isclose(chi_square_p(torch.tensor([60, 40]), torch.tensor([0.5, 0.5])), 0.0455003, rel_tol=1e-5)
+    counts = torch.tensor([110, 90] * 5)  # chi-square 10 * 100 / 100 = 10.0 on 9 df
+    assert math.isclose(chi_square_p(counts, torch.full((10,), 0.1)), 0.3504852, rel_tol=1e-5)

@@ -1,0 +1,163 @@
+"""FLOP accounting: the analytic count per token, and the engine's buckets against what it really ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specpolicy.decode.engine as engine_module
+from specpolicy.cost.flops import BUCKETS, FlopModel
+from specpolicy.decode import Engine
+from specpolicy.models.draft import LayerSubsetDraft
+from specpolicy.policy import ArPolicy, ConfidencePolicy, HeuristicPolicy, OraclePolicy, StaticPolicy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+N = 10
+PROMPT_LENGTHS = (1, 20, 7, 3, 13, 2)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {"partial": LayerSubsetDraft(layers=[0, 1, 2]).build(target).model,
+            "same": LayerSubsetDraft(layers=[0, 1, 2, 3]).build(target).model}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def decode(target, draft, prompts, policy, eos=(), n=N):
+    return Engine(target.model, draft, max_new_tokens=n, eos_token_id=list(eos)).generate(prompts, policy)
+
+
+# ---------------------------------------------------------------- the analytic model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_per_token_matches_a_hand_count(tiny_model, model_type: str, tied: bool) -> None:
+    model = tiny_model(model_type, tie_word_embeddings=tied).model
+    d, ff, layers, heads, kv_heads, vocab = 64, 128, 4, 4, 2, 259
+    head_dim = d // heads
+    attention = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d  # q, k, v, o
+    mlp = 3 * d * ff  # gate, up, down
+    matmul = layers * (attention + mlp) + vocab * d  # + LM head, counted once even when tied to the embedding
+    flops = FlopModel.from_model(model)
+    assert (flops.matmul_params, flops.n_layer, flops.d_attn) == (matmul, layers, heads * head_dim)
+    for ctx in (1, 17, 300):
+        assert flops.per_token(ctx) == 2 * matmul + 4 * layers * heads * head_dim * ctx
+
+
+def test_prefix_is_a_sum_of_per_token_costs(target) -> None:
+    flops = FlopModel.from_model(target.model)
+    starts, n = torch.tensor([0, 5, 11]), torch.tensor([4, 0, 7])
+    expected = [sum(flops.per_token(s + i + 1) for i in range(k)) for s, k in zip(starts.tolist(), n.tolist())]
+    assert flops.prefix(starts, n).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+# ---------------------------------------------------------------- the engine's buckets
+
+
+class ForwardRecorder:
+    """Wraps the engine's forward to record (model, rows, width, keys) of every forward it really runs."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = engine_module.forward
+
+        def recorded(model, cache, tokens, starts, kv_len, keep, max_position):
+            self.calls.append((model, tokens.shape[0], tokens.shape[1], kv_len))
+            return real(model, cache, tokens, starts, kv_len, keep, max_position)
+
+        monkeypatch.setattr(engine_module, "forward", recorded)
+
+    def flops(self) -> float:
+        """Every slot of every forward attends to all kv_len keys (masked or not): B * W * C(kv_len)."""
+        models = {id(m): FlopModel.from_model(m) for m, *_ in self.calls}
+        return sum(b * w * models[id(m)].per_token(kv) for m, b, w, kv in self.calls)
+
+
+POLICIES = {
+    "ar": ArPolicy,
+    "static3": lambda: StaticPolicy(k=3),
+    "heuristic": lambda: HeuristicPolicy(initial=2, max_k=6),
+    "confidence": lambda: ConfidencePolicy(k=4, threshold=0.25),  # rows stop at different positions
+    "confidence_all_stop": lambda: ConfidencePolicy(k=4, threshold=0.99),  # every row stops at position 1
+}
+
+
+@pytest.mark.parametrize("draft", ["partial", "same"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_buckets_add_up_to_what_the_forwards_computed(target, drafts, prompts, monkeypatch, policy, draft) -> None:
+    recorder = ForwardRecorder(monkeypatch)
+    stats = decode(target, drafts[draft], prompts, POLICIES[policy]()).stats
+    assert bool((stats.flops >= 0).all()), dict(zip(BUCKETS, stats.flops.tolist()))
+    totals = stats.flops_dict()
+    assert totals["total"] == pytest.approx(sum(totals[b] for b in BUCKETS), rel=1e-12)
+    assert totals["total"] == pytest.approx(recorder.flops(), rel=1e-9), \
+        f"{policy}: buckets {dict(zip(BUCKETS, stats.flops.tolist()))} vs forwards {recorder.flops():.6g}"
+
+
+def test_identical_draft_rejects_nothing_under_greedy(target, drafts, prompts) -> None:
+    stats = decode(target, drafts["same"], prompts, StaticPolicy(k=3)).stats
+    useful, rejected, padding = stats.flops.tolist()
+    assert stats.acceptance_rate == 1.0
+    assert rejected == 0 and useful > 0 and padding > 0  # ragged prompts pad
+
+
+def test_weak_draft_wastes_flops(target, drafts, prompts) -> None:
+    stats = decode(target, drafts["partial"], prompts, StaticPolicy(k=3)).stats
+    assert stats.acceptance_rate < 1.0 and stats.flops[1] > 0
+
+
+def test_plain_decoding_at_batch_one_is_all_useful(target) -> None:
+    """A 1-token prompt at batch 1: no masked key anywhere, so the run costs exactly ar_flops."""
+    stats = decode(target, None, [[42]], ArPolicy()).stats
+    useful, rejected, padding = stats.flops.tolist()
+    assert rejected == 0 and padding == 0
+    assert useful == pytest.approx(stats.ar_flops, rel=1e-12)
+    assert stats.flops_dict()["total"] == pytest.approx(stats.ar_flops, rel=1e-12)
+
+
+def test_plain_decoding_pads_only_the_causal_half_of_the_prefill(target, prompts) -> None:
+    """A P-token prefill computes P x P scores of which P(P-1)/2 are masked: that, and only that, is padding."""
+    prompt = prompts[1]
+    P = len(prompt)
+    flops = FlopModel.from_model(target.model)
+    stats = decode(target, None, [prompt], ArPolicy()).stats
+    useful, rejected, padding = stats.flops.tolist()
+    assert rejected == 0
+    assert useful == pytest.approx(stats.ar_flops, rel=1e-12)
+    assert padding == pytest.approx(4 * flops.n_layer * flops.d_attn * P * (P - 1) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["ar", "static3", "heuristic", "oracle"])
+def test_ar_equivalent_counts_plain_decodings_tokens(target, drafts, prompts, policy) -> None:
+    """Plain decoding reads the prompt (token j attends to j + 1 keys), then every new token but the last."""
+    ar = decode(target, None, prompts, ArPolicy())
+    eos = ar.outputs[0][3]  # stops some rows early
+    ar = decode(target, None, prompts, ArPolicy(), eos=[eos])
+    if policy == "oracle":
+        chosen = OraclePolicy(k=4)
+        chosen.set_reference(ar.outputs)
+    else:
+        chosen = POLICIES[policy]()
+    result = decode(target, drafts["partial"], prompts, chosen, eos=[eos])
+    assert result.outputs == ar.outputs
+    flops = FlopModel.from_model(target.model)
+    expected = sum(
+        flops.per_token(ctx)
+        for prompt, out in zip(prompts, result.outputs)
+        for ctx in range(1, len(prompt) + len(out))  # positions 0 .. P + G - 2 attend to 1 .. P + G - 1 keys
+    )
+    assert any(len(out) < N for out in result.outputs)
+    assert result.stats.ar_flops == pytest.approx(expected, rel=1e-12)
+    assert result.stats.flops_dict()["ar_equivalent"] == result.stats.ar_flops
