@@ -6,12 +6,15 @@ and plain paths (the cache, the masks, positions) is caught too, not only a spec
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
+import synthetic
 from specpolicy.decode import DecodeResult, Engine
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import LayerSubsetDraft
@@ -26,6 +29,7 @@ from specpolicy.policy import (
     StaticPolicy,
     StepState,
 )
+from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -44,6 +48,10 @@ POLICIES: dict[str, Callable[[], DepthPolicy]] = {
     "confidence": lambda: ConfidencePolicy(k=4, threshold=0.25),
     "entropy": lambda: EntropyPolicy(k=4, threshold=3.2),
     "oracle": lambda: OraclePolicy(k=4),
+    # load-aware policies on a synthetic memory-bound profile: rows draft when their estimate pays
+    "goodput": lambda: GoodputPolicy(synthetic.profile(), k=4),
+    "learned": lambda: GoodputPolicy(synthetic.profile(), k=4,
+                                     estimator=HeadEstimator(str(synthetic.head_dir(Path(tempfile.mkdtemp()))))),
 }
 DRAFT_LAYERS = {"partial": [0, 1, 2], "same": [0, 1, 2, 3]}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specpolicy.decode import DecodeStats, Engine
+from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import DepthPolicy, OraclePolicy
 
 
@@ -14,6 +15,7 @@ from specpolicy.policy import DepthPolicy, OraclePolicy
 class PolicyRun:
     policy: str
     batch_size: int
+    upper_bound: bool = False  # knows the target's output (oracle): a bound, not a method
     stats: list[DecodeStats] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -23,6 +25,7 @@ class PolicyRun:
         drafted, accepted = sum(s.drafted for s in self.stats), sum(s.accepted for s in self.stats)
         row_steps = sum(s.row_steps for s in self.stats)
         flops = {k: sum(s.flops_dict()[k] for s in self.stats) for k in self.stats[0].flops_dict()}
+        summed = lambda name: [sum(x) for x in zip(*(getattr(s, name).tolist() for s in self.stats))]  # noqa: E731
         tps = tokens / wall if wall else 0.0
         return {
             "policy": self.policy, "batch_size": self.batch_size, "tokens": tokens, "wall_s": wall,
@@ -31,29 +34,41 @@ class PolicyRun:
             "mean_accepted": (accepted + row_steps) / row_steps, "mean_depth": drafted / row_steps,
             "target_forwards": sum(s.target_forwards for s in self.stats),
             "draft_forwards": sum(s.draft_forwards for s in self.stats),
-            "flops": flops,
+            "flops": flops, "upper_bound": self.upper_bound,
+            "drafted_at": summed("drafted_at"), "accepted_at": summed("accepted_at"),
+            # mean depth by rows in flight: {rows: mean drafted tokens per row-step}
+            "depth_by_load": {r: d / n for r, (d, n) in enumerate(zip(summed("depth_at_load"), summed("steps_at_load")))
+                              if n},
         }
 
 
 def side_by_side(
-    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int, warmup: int = 1
+    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int, warmup: bool = True
 ) -> dict[str, PolicyRun]:
     """Decode `prompts` in batches of `batch_size` with every policy; `ar` first in each batch (it is the
     reference for speedup, for losslessness checks and for the oracle)."""
     names = sorted(policies, key=lambda n: n != "ar")
-    for name in names[:warmup and len(names)]:
-        engine.generate(prompts[:batch_size], policies[name])  # warm-up: allocator, kernels, caches
-    runs = {name: PolicyRun(name, batch_size) for name in names}
+    runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policies[name], OraclePolicy)) for name in names}
+    if warmup:  # allocator, kernels, caches: every policy once, untimed
+        _decode_batch(engine, prompts[:batch_size], policies, names, {n: PolicyRun(n, batch_size) for n in names})
     for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        for name in names:
-            policy = policies[name]
-            if isinstance(policy, OraclePolicy):
-                policy.set_reference(runs["ar"].outputs[start : start + batch_size])
-            result = engine.generate(batch, policy)
-            runs[name].stats.append(result.stats)
-            runs[name].outputs.extend(result.outputs)
+        _decode_batch(engine, prompts[start : start + batch_size], policies, names, runs)
     return runs
+
+
+def _decode_batch(engine: Engine, batch: list[list[int]], policies: dict[str, DepthPolicy], names: list[str],
+                  runs: dict[str, PolicyRun]) -> None:
+    reference: list[list[int]] = []
+    for name in names:
+        policy = policies[name]
+        if isinstance(policy, OraclePolicy):
+            if "ar" not in policies:
+                raise SpecPolicyError("the oracle needs the target's greedy outputs: add `ar` to eval.policies")
+            policy.set_reference(reference)
+        result = engine.generate(batch, policy)
+        reference = result.outputs if name == "ar" else reference
+        runs[name].stats.append(result.stats)
+        runs[name].outputs.extend(result.outputs)
 
 
 def summarise(runs: dict[str, PolicyRun]) -> list[dict]:

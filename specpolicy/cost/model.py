@@ -1,0 +1,49 @@
+"""The cost model: step time for any batch and depth, interpolated from a measured latency profile,
+and the goodput (tokens kept per second) a depth is expected to give."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from specpolicy.cost.profile import LatencyProfile
+
+
+class CostModel:
+    """Predicts milliseconds per decode step from a `LatencyProfile`.
+
+    A step at depth d >= 1 runs d draft forwards of ~1 token per row and one target forward of d+1
+    tokens per row (the verify pass pays for the longest row); depth 0 is one target forward of 1
+    token. Between measured points the curve is interpolated bilinearly (log2 rows x tokens), and
+    clamped outside the grid: steps in the curve stay steps, never smoothed into a line.
+    """
+
+    def __init__(self, profile: LatencyProfile):
+        self.profile = profile
+        self._log_rows = np.log2(np.asarray(profile.rows, dtype=float))
+        self._tokens = np.asarray(profile.tokens, dtype=float)
+        self._grids = {"target": np.asarray(profile.target_ms), "draft": np.asarray(profile.draft_ms)}
+
+    def forward_ms(self, model: str, rows: float, tokens: float) -> float:
+        grid = self._grids[model]
+        x = math.log2(max(rows, 1))
+        per_rows = [np.interp(tokens, self._tokens, grid[i]) for i in range(len(self._log_rows))]
+        return float(np.interp(x, self._log_rows, per_rows))
+
+    def step_ms(self, rows: float, depth: int) -> float:
+        if depth == 0:
+            return self.forward_ms("target", rows, 1)
+        return depth * self.forward_ms("draft", rows, 1) + self.forward_ms("target", rows, depth + 1)
+
+    def goodput(self, rows: float, depth: int, expected_tokens: float) -> float:
+        """Tokens per second for `rows` rows keeping `expected_tokens` each per step (bonus included)."""
+        return rows * expected_tokens / self.step_ms(rows, depth) * 1e3
+
+    def max_useful_depth(self, rows: float, limit: int) -> int:
+        """The deepest depth that could still pay with every draft accepted: beyond it, even perfect
+        acceptance loses goodput, so drafting that deep (or at all, if 0) is waste at this load."""
+        depth = 0
+        while depth < limit and self.goodput(rows, depth + 1, depth + 2) > self.goodput(rows, depth, depth + 1):
+            depth += 1
+        return depth

@@ -1,0 +1,317 @@
+"""The evaluation report: one call writes every artefact of a side-by-side run into one folder, so a
+result can be re-plotted (report.json, outputs.jsonl), read in a terminal or on GitHub (report.md), sent
+as one file (report.html, images inlined) and compared across runs (wandb).
+
+Speedup is shown next to its mechanism (acceptance, tau, depth by load, FLOPs by bucket), and a greedy
+run whose output differs from `ar`'s is reported loudly everywhere: that is a bug, not a trade-off.
+
+Rows come from `runner.summarise`, plus transformers baselines (`hf_generate`, `hf_assisted`) that lack
+the engine-only keys; those show "–" in tables and are left out of the plots that need them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+from collections.abc import Callable
+from itertools import zip_longest
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure  # no pyplot: no global state, Agg renders PNGs without a display
+from matplotlib.transforms import blended_transform_factory
+
+from specpolicy.errors import SpecPolicyError
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import WandbLogger
+
+log = logging.getLogger("specpolicy")
+
+BUCKET_COLOURS = {"useful": "tab:green", "rejected": "tab:red", "padding": "tab:gray"}
+META = {"date": "date", "hardware": "hardware", "device": "device", "dtype": "dtype", "target": "target",
+        "draft": "draft", "temperature": "temperature", "prompts": "num_prompts", "max new tokens": "max_new_tokens"}
+DASH = "–"
+VIOLATED = "LOSSLESSNESS VIOLATED"
+
+
+# ---------------------------------------------------------------- entry point
+def write_report(out_dir: str | Path, meta: dict, runs: list[dict], outputs: list[dict],
+                 logger: WandbLogger | None = None) -> Path:
+    """Writes report.json, outputs.jsonl, report.md, report.html and PNG plots into out_dir; returns
+    out_dir/report.md."""
+    if not runs:
+        raise SpecPolicyError("write_report got no runs: decode with at least one policy (eval.policies) first")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    check = lossless(meta, runs)
+    write_json(out / "report.json", meta, runs, check)
+    write_outputs(out / "outputs.jsonl", outputs)
+    plots = {name: save_plot(plot(runs), out / f"{name}.png") for name, plot in PLOTS.items()}
+    (out / "report.md").write_text(markdown(meta, runs, check, plots))
+    (out / "report.html").write_text(html_page(meta, runs, check, plots))
+    if logger is not None:
+        log_to_wandb(logger, runs, plots)
+    log.info("report written to %s", out / "report.md")
+    return out / "report.md"
+
+
+# ---------------------------------------------------------------- data
+def lossless(meta: dict, runs: list[dict]) -> dict:
+    """Greedy decoding must reproduce `ar` token for token; with sampling (or no `ar`) there is nothing to check."""
+    checked = meta.get("temperature") == 0 and any(r["policy"] == "ar" for r in runs)
+    mismatches = [{"policy": r["policy"], "batch_size": r["batch_size"], "first_mismatch": r["first_mismatch"]}
+                  for r in runs if checked and r.get("first_mismatch") is not None]
+    return {"checked": checked, "mismatches": mismatches}
+
+
+def write_json(path: Path, meta: dict, runs: list[dict], check: dict) -> None:
+    path.write_text(json.dumps({**meta, "runs": runs, "lossless": check}, indent=2))
+
+
+def write_outputs(path: Path, outputs: list[dict]) -> None:
+    path.write_text("".join(json.dumps(o) + "\n" for o in outputs))
+
+
+def batch_sizes(runs: list[dict]) -> list[int]:
+    return sorted({r["batch_size"] for r in runs})
+
+
+def is_engine(run: dict) -> bool:
+    """Engine rows carry the FLOP accounting; transformers baselines do not."""
+    return bool(run.get("flops"))
+
+
+def drafts(run: dict) -> bool:
+    return sum(run.get("drafted_at") or []) > 0
+
+
+def flops_ratio(run: dict, bucket: str) -> float | None:
+    f = run.get("flops")
+    return f[bucket] / f["ar_equivalent"] if f and f.get("ar_equivalent") else None
+
+
+def waste_share(run: dict) -> float | None:
+    f = run.get("flops")
+    return (f["rejected"] + f["padding"]) / f["total"] if f and f.get("total") else None
+
+
+# header, value (None when the row does not have it), format
+COLUMNS: list[tuple[str, Callable[[dict], float | str | None], str]] = [
+    ("policy", lambda r: r["policy"], "{}"),
+    ("tok/s", lambda r: r.get("tokens_per_s"), "{:.1f}"),
+    ("speedup", lambda r: r.get("speedup"), "{:.2f}x"),
+    ("acceptance", lambda r: r.get("acceptance_rate") if drafts(r) else None, "{:.2f}"),  # undefined without drafts
+    ("tau", lambda r: r.get("mean_accepted"), "{:.2f}"),
+    ("mean depth", lambda r: r.get("mean_depth"), "{:.2f}"),
+    ("FLOPs total/ar", lambda r: flops_ratio(r, "total"), "{:.2f}x"),
+    ("rejected+padding share", waste_share, "{:.0%}"),
+]
+
+
+def table_rows(runs: list[dict], batch_size: int) -> list[list[str]]:
+    """Formatted cells of one batch size's table, shared by the markdown and the HTML report."""
+    return [[cell(value(r), spec) for _, value, spec in COLUMNS] for r in runs if r["batch_size"] == batch_size]
+
+
+def cell(value: float | str | None, spec: str) -> str:
+    return DASH if value is None else spec.format(value)
+
+
+def best(runs: list[dict], batch_size: int) -> str:
+    """Fastest engine policy; transformers baselines and upper bounds are context, not candidates."""
+    rows = [r for r in runs if r["batch_size"] == batch_size and is_engine(r) and r.get("tokens_per_s")]
+    candidates = [r for r in rows if not r.get("upper_bound")]  # an oracle is shown, but never the best policy
+    if not candidates:
+        return f"batch {batch_size}: no engine policy ran"
+    top = max(candidates, key=lambda r: r["tokens_per_s"])
+    speedup = lambda r: cell(r.get("speedup"), "{:.2f}x")  # noqa: E731
+    bounds = "".join(f"; {r['policy']} (upper bound) {speedup(r)}" for r in rows if r.get("upper_bound"))
+    return f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar){bounds}"
+
+
+def lossless_lines(check: dict) -> list[str]:
+    """One line per violation, so none hides in a paragraph; callers prefix VIOLATED when there are mismatches."""
+    if not check["checked"]:
+        return ["Lossless check skipped: outputs are sampled (temperature > 0) or there is no ar run."]
+    if not check["mismatches"]:
+        return ["Lossless: all greedy outputs equal ar's."]
+    return [f"greedy output of {m['policy']} at batch {m['batch_size']} differs from ar's, first at prompt "
+            f"{m['first_mismatch']}" for m in check["mismatches"]]
+
+
+def title(meta: dict) -> str:
+    return f"specpolicy evaluation: {meta.get('target', DASH)} + draft {meta.get('draft', DASH)}"
+
+
+def meta_items(meta: dict) -> list[tuple[str, str]]:
+    return [(label, str(meta.get(key, DASH))) for label, key in META.items()]
+
+
+# ---------------------------------------------------------------- plots
+def axes(title: str, xlabel: str, ylabel: str) -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def log2_axis(ax: Axes, ticks: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def legend(ax: Axes) -> None:
+    """A legend, or a note on an empty plot (e.g. no policy drafted), so the file still explains itself."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.figure.legend(loc="outside right upper")  # beside the axes: lines and bars stay visible
+    else:
+        ax.text(0.5, 0.5, "no data: no run has these keys", transform=ax.transAxes, ha="center", color="gray")
+
+
+def by_policy(runs: list[dict], keep: Callable[[dict], bool]) -> dict[str, list[dict]]:
+    """Rows grouped by policy in first-seen order (ar first, as the runner runs it), sorted by batch size."""
+    groups: dict[str, list[dict]] = {}
+    for r in sorted((r for r in runs if keep(r)), key=lambda r: r["batch_size"]):
+        groups.setdefault(r["policy"], []).append(r)
+    order = list(dict.fromkeys(r["policy"] for r in runs))
+    return {p: groups[p] for p in order if p in groups}
+
+
+def plot_speedup(runs: list[dict]) -> Figure:
+    fig, ax = axes("Speedup over plain decoding (ar) vs batch size", "batch size", "speedup (tok/s / ar tok/s)")
+    for policy, rows in by_policy(runs, lambda r: r.get("speedup") is not None and r["policy"] != "ar").items():
+        ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=policy)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (plain decoding)")
+    log2_axis(ax, batch_sizes(runs))
+    legend(ax)
+    return fig
+
+
+def plot_depth_vs_load(runs: list[dict]) -> Figure:
+    """Each policy's largest batch is drawn: only it sweeps every load from full down to one row as rows finish
+    (depth_by_load holds means without counts, so runs at different batch sizes cannot be pooled exactly)."""
+    fig, ax = axes("Mean draft depth vs load (largest batch per policy)", "rows in flight", "mean draft depth")
+    for policy, rows in by_policy(runs, lambda r: drafts(r) and bool(r.get("depth_by_load"))).items():
+        load = sorted((int(k), v) for k, v in rows[-1]["depth_by_load"].items())  # json turns int keys into str
+        ax.plot(*zip(*load), marker="o", label=f"{policy} (batch {rows[-1]['batch_size']})")
+    ax.set_ylim(bottom=0)
+    log2_axis(ax, [2**i for i in range(max(batch_sizes(runs)).bit_length())])
+    legend(ax)
+    return fig
+
+
+def plot_flops(runs: list[dict]) -> Figure:
+    """Stacked FLOP buckets over what plain decoding spends on the same tokens: bars above 1 are the extra
+    compute speculation trades for fewer sequential target passes."""
+    fig, ax = axes("FLOPs by bucket, relative to plain decoding", "policy, grouped by batch size",
+                   "FLOPs / ar-equivalent FLOPs")
+    x, ticks, labels = 0, [], []
+    group_label = blended_transform_factory(ax.transData, ax.transAxes)
+    for b in batch_sizes(runs):
+        rows = [r for r in runs if r["batch_size"] == b and flops_ratio(r, "total") is not None]
+        if not rows:
+            continue
+        for r in rows:
+            bottom = 0.0
+            for bucket, colour in BUCKET_COLOURS.items():
+                height = flops_ratio(r, bucket)
+                ax.bar(x, height, bottom=bottom, color=colour, label=None if ticks else bucket)  # legend once
+                bottom += height
+            ticks.append(x)
+            labels.append(r["policy"])
+            x += 1
+        ax.text(x - (len(rows) + 1) / 2, 1.01, f"batch {b}", transform=group_label, ha="center", va="bottom")
+        x += 1  # gap between batch groups
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="plain decoding")
+    ax.set_xticks(ticks, labels, rotation=30, ha="right")
+    ax.set_title(ax.get_title(), pad=18)  # room for the batch labels above the bars
+    legend(ax)
+    return fig
+
+
+def plot_acceptance(runs: list[dict]) -> Figure:
+    """Counts are summed over batch sizes before dividing, so each position's rate is a ratio of totals."""
+    fig, ax = axes("Acceptance rate by draft position (all batch sizes)", "draft position",
+                   "accepted / drafted at position")
+    for policy, rows in by_policy(runs, drafts).items():
+        drafted = [sum(c) for c in zip_longest(*(r["drafted_at"] for r in rows), fillvalue=0)]
+        accepted = [sum(c) for c in zip_longest(*(r["accepted_at"] for r in rows), fillvalue=0)]
+        points = [(i + 1, a / d) for i, (d, a) in enumerate(zip(drafted, accepted)) if d]
+        ax.plot(*zip(*points), marker="o", label=policy)
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    legend(ax)
+    return fig
+
+
+PLOTS: dict[str, Callable[[list[dict]], Figure]] = {
+    "speedup_vs_batch": plot_speedup,
+    "depth_vs_load": plot_depth_vs_load,
+    "flops": plot_flops,
+    "acceptance_by_position": plot_acceptance,
+}
+
+
+def save_plot(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=120)
+    return path
+
+
+# ---------------------------------------------------------------- documents
+def markdown(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path]) -> str:
+    lines = [f"# {title(meta)}", ""]
+    lines += [f"- **{label}**: {value}" for label, value in meta_items(meta)]
+    loud = f"**{VIOLATED}**: " if check["mismatches"] else ""
+    lines += [""] + [f"{loud}{line}  " for line in lossless_lines(check)]
+    header = [h for h, _, _ in COLUMNS]
+    for b in batch_sizes(runs):
+        lines += ["", f"## Batch size {b}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs, b)]
+    lines += ["", "## Best policy per batch size", ""] + [f"- {best(runs, b)}" for b in batch_sizes(runs)]
+    lines += ["", "## Plots", ""] + [f"![{name}]({path.name})" for name, path in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
+table{border-collapse:collapse;margin:.5rem 0 1.5rem}th,td{border:1px solid #ccc;padding:.25rem .6rem;text-align:right}
+th:first-child,td:first-child{text-align:left}th{background:#f3f3f3}img{max-width:100%}
+.violation{background:#fde2e2;border:2px solid #c00;color:#900;padding:.75rem;font-weight:bold}
+.ok{background:#e6f4e6;padding:.5rem}"""
+
+
+def html_page(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path]) -> str:
+    """The same content as report.md in one file with nothing external: images are base64 data URIs."""
+    e = html.escape
+    status, loud = ("violation", f"<strong>{VIOLATED}</strong>: ") if check["mismatches"] else ("ok", "")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title(meta))}</title>",
+             f"<style>{CSS}</style></head><body><h1>{e(title(meta))}</h1><ul>"]
+    parts += [f"<li><b>{e(label)}</b>: {e(value)}</li>" for label, value in meta_items(meta)]
+    parts += ["</ul>"] + [f"<p class='{status}'>{loud}{e(line)}</p>" for line in lossless_lines(check)]
+    header = "".join(f"<th>{e(h)}</th>" for h, _, _ in COLUMNS)
+    for b in batch_sizes(runs):
+        body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(runs, b))
+        parts.append(f"<h2>Batch size {b}</h2><table><tr>{header}</tr>{body}</table>")
+    parts += ["<h2>Best policy per batch size</h2><ul>"] + [f"<li>{e(best(runs, b))}</li>" for b in batch_sizes(runs)]
+    parts += ["</ul><h2>Plots</h2>"]
+    for name, path in plots.items():
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<p><img alt='{e(name)}' src='data:image/png;base64,{data}'></p>")
+    return "\n".join(parts + ["</body></html>"])
+
+
+# ---------------------------------------------------------------- wandb
+def log_to_wandb(logger: WandbLogger, runs: list[dict], plots: dict[str, Path]) -> None:
+    """Raw numbers (not formatted strings), so runs can be compared and re-plotted in wandb."""
+    columns = ["batch_size"] + [h for h, _, _ in COLUMNS]
+    data = [[r["batch_size"]] + [value(r) for _, value, _ in COLUMNS] for r in runs]
+    logger.log_table(key="eval/runs", columns=columns, data=data)
+    for name, path in plots.items():
+        logger.log_image(key=f"eval/{name}", images=[str(path)])
+    logger.log_metrics({f"eval/speedup/{r['policy']}@{r['batch_size']}": r["speedup"]
+                        for r in runs if r.get("speedup") is not None})

@@ -1,0 +1,75 @@
+"""Goodput-maximising depth: keep drafting a row while one more token is expected to raise the row's
+tokens per second under the cost model (in the spirit of SmartSpec, Liu et al. 2024).
+
+At position i a row that expects E tokens from this step (bonus included) and would add c_i (the
+probability that all of its drafts up to i are accepted) keeps drafting iff
+
+    (E + c_i) / T(rows, i)  >  E / T(rows, i - 1)
+
+where T is the cost model's step time at the current load. Acceptance estimates come from an
+`estimator`: the draft's own top-1 probability (`goodput`), or the trained depth head (`learned`).
+One mechanism, two estimators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specpolicy.cost.model import CostModel
+from specpolicy.cost.profile import LatencyProfile, profile_file
+from specpolicy.policy.base import DepthPolicy, StepState
+from specpolicy.policy.head import DepthHead
+from specpolicy.rollout.features import COLUMN
+
+
+class DraftConfidence:
+    """The draft's top-1 probability as its own acceptance estimate (exact for a perfect draft)."""
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        return features[:, COLUMN["top1"]]
+
+
+@dataclass
+class HeadEstimator:
+    """The trained depth head's acceptance probability."""
+
+    path: str
+    head: DepthHead = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.head = DepthHead.load(self.path)
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        self.head.to(features.device)
+        return torch.sigmoid(self.head(features))
+
+
+class GoodputPolicy(DepthPolicy):
+    """`profile` is a LatencyProfile, or the profile stage's directory (the file for `device`/`dtype` is used)."""
+
+    def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
+                 estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
+                 dtype: str = "float32"):
+        if not isinstance(profile, LatencyProfile):
+            profile = LatencyProfile.load(profile_file(profile, device, dtype))
+        self.cost = CostModel(profile)
+        self.max_depth = k
+        self.estimator = estimator or DraftConfidence()
+        self._expected = self._reach = torch.empty(0)
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        return torch.full_like(state.generated, self.cost.max_useful_depth(state.rows, self.max_depth))
+
+    def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
+        if position == 1:
+            self._expected = torch.ones(features.shape[0], device=features.device)  # the bonus token
+            self._reach = torch.ones_like(self._expected)
+        self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted)
+        before = self.cost.step_ms(state.rows, position - 1)
+        after = self.cost.step_ms(state.rows, position)
+        keep = (self._expected + self._reach) * before > self._expected * after
+        self._expected = self._expected + self._reach * keep
+        return keep

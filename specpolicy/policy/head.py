@@ -1,0 +1,62 @@
+"""The depth head: a tiny MLP that reads one draft position's features (confidence + batch load) and
+predicts whether the target will accept that token, given it accepted every earlier one.
+
+It is the learned part of the `learned` policy, which turns these calibrated acceptance estimates
+into continue/stop decisions that maximise expected goodput under the measured latency profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specpolicy.errors import SpecPolicyError
+from specpolicy.rollout.features import COLUMN, FEATURE_NAMES
+
+
+@dataclass
+class HeadConfig:
+    hidden: int = 32
+    layers: int = 2
+    features: tuple[str, ...] = FEATURE_NAMES
+
+
+class DepthHead(nn.Module):
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.index = [COLUMN[name] for name in config.features]
+        dims = [len(self.index)] + [config.hidden] * config.layers
+        blocks = [nn.Sequential(nn.Linear(i, o), nn.GELU()) for i, o in zip(dims, dims[1:])]
+        self.mlp = nn.Sequential(*blocks, nn.Linear(dims[-1], 1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features [N, F] (FEATURE_NAMES order) -> acceptance logits [N]."""
+        x = features[:, self.index].float()
+        # put counts on a log scale so one head spans batch 1 and batch 64
+        scale = torch.tensor([1.0 if n not in ("position", "rows", "tokens") else 0.0 for n in self.config.features],
+                             device=x.device)
+        x = torch.where(scale.bool(), x, torch.log2(1 + x))
+        return self.mlp(x).squeeze(-1)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), directory / "head.pt.tmp")
+        (directory / "head.pt.tmp").replace(directory / "head.pt")
+        (directory / "config.json").write_text(json.dumps(asdict(self.config), indent=1))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> DepthHead:
+        directory = Path(directory)
+        if not (directory / "head.pt").is_file():
+            raise SpecPolicyError(f"no trained depth head at {directory}; run the head stage first "
+                                  f"(python scripts/train.py experiment=... stages=[head])")
+        config = json.loads((directory / "config.json").read_text())
+        head = cls(HeadConfig(**{**config, "features": tuple(config["features"])}))
+        head.load_state_dict(torch.load(directory / "head.pt", map_location="cpu"))
+        return head.eval().requires_grad_(False)

@@ -1,0 +1,107 @@
+"""Training-pipeline stages after distillation: profile the hardware, collect rollouts, train the head.
+
+Each reads its inputs from and writes its outputs to `paths.experiment_dir`, writes atomically, and is
+skipped when its output exists, so `scripts/train.py` can be rerun after an interruption.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import datasets
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from specpolicy.cost.profile import measure, profile_file
+from specpolicy.data import encode_prompts
+from specpolicy.models import LoadedModel, check_compatible
+from specpolicy.policy import StaticPolicy
+from specpolicy.policy.head import HeadConfig
+from specpolicy.policy.lightning import HeadModule, RolloutDataModule
+from specpolicy.rollout.collect import COLUMNS, RecordingPolicy
+from specpolicy.rollout.features import FEATURE_NAMES
+
+log = logging.getLogger("specpolicy")
+
+
+def load_pair(cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
+    """The target and the draft the later stages use (`trained_draft`: by default distil's output)."""
+    target = instantiate(cfg.target).load()
+    draft = instantiate(cfg.trained_draft).build(target)
+    check_compatible(target, draft)
+    return target, draft
+
+
+def profile(cfg: DictConfig) -> None:
+    out = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype)
+    if out.exists():
+        log.info("profile: %s exists, skipping", out)
+        return
+    target, draft = load_pair(cfg)
+    p = cfg.profile
+    measure(target.model, draft.model, list(p.rows), list(p.tokens), p.context, p.repeats, cfg.runtime.dtype).save(out)
+    log.info("profile: saved %s", out)
+
+
+def collect(cfg: DictConfig) -> None:
+    """Decode training prompts at a fixed maximum depth for each batch size; one shard per batch size,
+    so an interrupted collection resumes at the next missing shard."""
+    out = Path(cfg.paths.experiment_dir) / "rollouts"
+    if (out / "dataset_info.json").exists():
+        log.info("collect: %s exists, skipping", out)
+        return
+    target, draft = load_pair(cfg)
+    c = cfg.collect
+    engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
+    conversations = instantiate(cfg.data, split="train").load()
+    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
+    shards = out.with_name("rollouts_shards")
+    for bs in tqdm(list(c.batch_sizes), desc="collect (batch sizes)"):
+        shard = shards / f"bs{bs}"
+        if (shard / "dataset_info.json").exists():
+            continue
+        recorder = RecordingPolicy(StaticPolicy(k=c.k))
+        count = max(bs, c.min_prompts_per_size)
+        for start in tqdm(range(0, count, bs), desc=f"batch size {bs}", leave=False):
+            engine.generate(prompts[start : start + bs], recorder)
+        _save(_dataset(torch.cat(recorder.records)), shard)
+    parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in c.batch_sizes]
+    _save(datasets.concatenate_datasets(parts), out)
+    shutil.rmtree(shards)
+    log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
+
+
+def head(cfg: DictConfig) -> None:
+    out = Path(cfg.paths.experiment_dir) / "head"
+    if (out / "head.pt").exists():
+        log.info("head: %s exists, skipping", out)
+        return
+    h = cfg.head
+    rollouts = datasets.load_from_disk(str(Path(cfg.paths.experiment_dir) / "rollouts")).with_format("torch")[:]
+    features = torch.stack([rollouts[name].float() for name in FEATURE_NAMES], -1)
+    L.seed_everything(cfg.seed, workers=True)
+    data = RolloutDataModule(features, rollouts["accepted"].float(), rollouts["group"], h.batch_size, h.val_fraction,
+                             cfg.seed)
+    module = HeadModule(HeadConfig(hidden=h.hidden, layers=h.layers), lr=h.lr)
+    trainer = instantiate(h.trainer, logger=instantiate(cfg.logger) if cfg.get("logger") else False)
+    trainer.fit(module, datamodule=data, ckpt_path=h.ckpt_path)
+    module.head.save(out)
+    log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
+
+
+def _dataset(records: torch.Tensor) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({name: records[:, i].tolist() for i, name in enumerate(COLUMNS)})
+
+
+def _save(dataset: datasets.Dataset, out: Path) -> None:
+    """save_to_disk into a temporary sibling, then rename: never a half-written dataset."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)

@@ -1,0 +1,117 @@
+"""The load-aware policies: cost model, goodput rule, depth head, rollout recording."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+import synthetic
+from specpolicy.cost.model import CostModel
+from specpolicy.decode import Engine
+from specpolicy.policy import StaticPolicy, StepState
+from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator
+from specpolicy.policy.head import DepthHead, HeadConfig
+from specpolicy.policy.lightning import HeadModule, RolloutDataModule
+from specpolicy.rollout.collect import COLUMNS, RecordingPolicy
+from specpolicy.rollout.features import COLUMN, FEATURE_NAMES
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_cost_model_interpolates_between_measured_points() -> None:
+    cost = CostModel(synthetic.profile())
+    assert cost.forward_ms("target", 4, 3) == pytest.approx(30 + 4 * 3)  # on the grid
+    between = cost.forward_ms("target", 4, 3.5)
+    assert cost.forward_ms("target", 4, 3) < between < cost.forward_ms("target", 4, 4)
+    assert cost.forward_ms("target", 1000, 1) == cost.forward_ms("target", 64, 1)  # clamped, not extrapolated
+    assert cost.step_ms(8, 0) == pytest.approx(30 + 8)
+    assert cost.step_ms(8, 2) == pytest.approx(2 * 0.1 * (30 + 8) + 30 + 8 * 3)
+
+
+def test_speculation_stops_where_the_profile_says_it_cannot_pay() -> None:
+    cost = CostModel(synthetic.profile(per_token_ms=2.0, draft_share=0.3))
+    depths = [cost.max_useful_depth(rows, 8) for rows in synthetic.ROWS]
+    assert depths == sorted(depths, reverse=True), depths
+    assert depths[0] == 8 and depths[-1] == 0
+
+
+@pytest.mark.parametrize("estimator", ["confidence", "head"])
+def test_mean_depth_falls_with_load_and_reaches_zero(tiny_model, tmp_path: Path, estimator: str) -> None:
+    target = tiny_model()
+    head = HeadEstimator(str(synthetic.head_dir(tmp_path))) if estimator == "head" else None
+    policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=6, estimator=head)
+    confident = torch.zeros(64, len(FEATURE_NAMES))
+    confident[:, COLUMN["top1"]] = 0.99
+    depth = {}
+    for rows in synthetic.ROWS:
+        state = StepState(torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows, rows * 64)
+        budget = int(policy.budget(state).max())
+        kept = 0
+        for position in range(1, budget + 1):
+            keep = policy.keep(confident[:rows], torch.zeros(rows, dtype=torch.long), state, position)
+            if not bool(keep.any()):
+                break
+            kept = position
+        depth[rows] = kept
+    assert [depth[r] for r in synthetic.ROWS] == sorted(depth.values(), reverse=True), depth
+    assert depth[64] == 0
+
+
+def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
+    """Through the engine: a confident estimator drafts deep at batch 1 and not at all at batch 64."""
+    target = tiny_model()
+    policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=6,
+                           estimator=lambda f: torch.full_like(f[:, 0], 0.95))
+    engine = Engine(target.model, target.model, max_new_tokens=8)
+    prompts = [[3, 4, 5]] * 64
+    assert engine.generate(prompts[:1], policy).stats.mean_depth > 2
+    busy = engine.generate(prompts, policy).stats
+    assert busy.mean_depth == 0 and busy.draft_forwards == 0
+
+
+def test_head_round_trip(tmp_path: Path) -> None:
+    head = DepthHead(HeadConfig(hidden=8))
+    head.save(tmp_path)
+    again = DepthHead.load(tmp_path)
+    x = torch.rand(5, len(FEATURE_NAMES)) * 4
+    assert torch.equal(head(x), again(x))
+    with pytest.raises(Exception, match="no trained depth head"):
+        DepthHead.load(tmp_path / "missing")
+
+
+def test_recording_policy_labels_conditional_acceptance(tiny_model) -> None:
+    target = tiny_model()
+    draft = tiny_model(seed=1)
+    recorder = RecordingPolicy(StaticPolicy(k=3))
+    result = Engine(target.model, draft.model, max_new_tokens=10).generate([[1, 2, 3], [4, 5]], recorder)
+    records = torch.cat(recorder.records)
+    assert records.shape[1] == len(COLUMNS)
+    label, position = records[:, COLUMNS.index("accepted")], records[:, COLUMNS.index("position")]
+    assert int(label.sum()) == result.stats.accepted  # every accepted draft is a positive
+    # a row reaches position i only if 1..i-1 were accepted: positives + first rejections = records
+    assert len(records) == result.stats.accepted + int((position >= 1).sum() - label.sum())
+    assert set(records[:, COLUMNS.index("batch_size")].tolist()) == {2.0}
+
+
+def test_head_learns_acceptance_from_confidence() -> None:
+    """On rollouts where acceptance follows top1, the trained head ranks confident positions higher."""
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    features = torch.rand(n, len(FEATURE_NAMES), generator=g)
+    features[:, COLUMN["rows"]] = torch.randint(1, 64, (n,), generator=g).float()
+    label = (torch.rand(n, generator=g) < features[:, COLUMN["top1"]]).float()
+    groups = torch.arange(n) // 10
+    L.seed_everything(0)
+    module = HeadModule(HeadConfig(hidden=16), lr=1e-2)
+    trainer = L.Trainer(max_epochs=8, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, datamodule=RolloutDataModule(features, label, groups, batch_size=256))
+    assert trainer.callback_metrics["val/loss"] < 0.62  # a constant predictor scores ln 2 = 0.693
+    probe = features[:2].clone()
+    probe[:] = features.mean(0)  # typical values elsewhere
+    probe[:, COLUMN["top1"]] = torch.tensor([0.1, 0.9])
+    p = torch.sigmoid(module.head(probe))
+    assert p[1] > p[0] + 0.3

@@ -1,0 +1,165 @@
+"""The evaluation report: every artefact is written and well formed, from real engine runs on tiny models
+and from synthetic rows with transformers baselines; a greedy mismatch is loud; wandb gets the table,
+the plots and the speedups (offline run directory)."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpolicy.decode import Engine
+from specpolicy.eval.report import write_report
+from specpolicy.eval.runner import side_by_side, summarise
+from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PLOTS = ("speedup_vs_batch", "depth_vs_load", "flops", "acceptance_by_position")
+RUN_KEYS = {"policy", "batch_size", "tokens", "wall_s", "tokens_per_s", "speedup"}
+ENGINE_KEYS = RUN_KEYS | {"acceptance_rate", "mean_accepted", "mean_depth", "flops"}
+FLOP_KEYS = {"useful", "rejected", "padding", "total", "ar_equivalent"}
+OUTPUT_KEYS = {"policy", "batch_size", "prompt_index", "prompt_ids", "output_ids", "text"}
+
+
+def meta(temperature: float = 0.0, num_prompts: int = 4) -> dict:
+    return {"device": "cpu", "target": "tiny-llama", "draft": "tiny-llama", "dtype": "float32",
+            "temperature": temperature, "max_new_tokens": 8, "num_prompts": num_prompts,
+            "date": "2025-01-01T00:00:00", "hardware": "test machine"}
+
+
+def engine_row(policy: str, b: int, k: int, accept: float, tps: float, ar_tps: float,
+               depth: float | None = None) -> dict:
+    """A summarise()-shaped row: geometric acceptance over k positions, FLOPs that grow with depth and batch,
+    mean depth (default k) falling with load."""
+    depth = k if depth is None else depth
+    drafted = [100 * b] * k
+    accepted = [round(100 * b * accept ** (i + 1)) for i in range(k)]
+    tau = 1 + sum(accepted) / (100 * b)
+    ar_flops = 1e9 * b
+    flops = {"useful": ar_flops * (1 + 0.1 * k), "rejected": ar_flops * 0.15 * (k - sum(accepted) / (100 * b)),
+             "padding": ar_flops * 0.05 * b}
+    return {"policy": policy, "batch_size": b, "tokens": 64 * b, "wall_s": 64 * b / tps, "tokens_per_s": tps,
+            "speedup": tps / ar_tps, "acceptance_rate": sum(accepted) / max(sum(drafted), 1), "mean_accepted": tau,
+            "mean_depth": float(depth), "target_forwards": round(64 / tau), "draft_forwards": round(64 / tau) * k,
+            "flops": {**flops, "total": sum(flops.values()), "ar_equivalent": ar_flops},
+            "drafted_at": drafted, "accepted_at": accepted,
+            "depth_by_load": {r: depth * (1 - 0.1 * (r - 1)) for r in range(1, b + 1)}, "first_mismatch": None}
+
+
+def synthetic_runs() -> list[dict]:
+    """What evaluate collects at batch 1 and 4: engine policies plus transformers baselines without engine keys."""
+    runs = []
+    for b, ar_tps in ((1, 50.0), (4, 180.0)):
+        runs += [engine_row("ar", b, 0, 0.0, ar_tps, ar_tps),
+                 engine_row("static_k2", b, 2, 0.7, ar_tps * 1.5 / b**0.3, ar_tps),
+                 engine_row("confidence", b, 4, 0.75, ar_tps * 1.7 / b**0.2, ar_tps, depth=2.6),
+                 engine_row("oracle", b, 4, 1.0, ar_tps * 2.4 / b**0.2, ar_tps)]
+        runs.append({"policy": "hf_generate", "batch_size": b, "tokens": 64 * b, "wall_s": 64 * b / (ar_tps * 0.9),
+                     "tokens_per_s": ar_tps * 0.9, "speedup": 0.9, "flops": None, "first_mismatch": None})
+    runs.append({"policy": "hf_assisted", "batch_size": 1, "tokens": 64, "wall_s": 64 / 70.0, "tokens_per_s": 70.0,
+                 "speedup": 1.4})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def real(tiny_model) -> tuple[list[dict], list[dict]]:
+    """Greedy side-by-side runs on a tiny llama drafting for itself, at batch 1 and 4."""
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=8)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (3, 7, 5, 9)]
+    runs, outputs = [], []
+    for b in (1, 4):
+        policies = {"ar": ArPolicy(), "static_k2": StaticPolicy(k=2),
+                    "confidence": ConfidencePolicy(k=4, threshold=0.25), "oracle": OraclePolicy(k=4)}
+        by_policy = side_by_side(engine, prompts, policies, b)
+        runs += summarise(by_policy)
+        outputs += [{"policy": name, "batch_size": b, "prompt_index": i, "prompt_ids": prompts[i], "output_ids": out,
+                     "text": model.tokenizer.decode(out)}
+                    for name, run in by_policy.items() for i, out in enumerate(run.outputs)]
+    return runs, outputs
+
+
+def read_json(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_report_from_real_runs(real, tmp_path):
+    runs, outputs = real
+    md_path = write_report(tmp_path, meta(), runs, outputs)
+    assert md_path == tmp_path / "report.md"
+
+    report = read_json(tmp_path)
+    assert {k: report[k] for k in meta()} == meta()
+    assert len(report["runs"]) == 8
+    for run in report["runs"]:
+        assert ENGINE_KEYS <= run.keys(), ENGINE_KEYS - run.keys()
+        assert FLOP_KEYS <= run["flops"].keys()
+        assert all(isinstance(k, str) for k in run["depth_by_load"])  # as json writes int keys
+    assert report["lossless"] == {"checked": True, "mismatches": []}
+
+    lines = (tmp_path / "outputs.jsonl").read_text().splitlines()
+    assert len(lines) == len(outputs) == 32
+    assert all(json.loads(line).keys() == OUTPUT_KEYS for line in lines)
+
+    for name in PLOTS:
+        png = (tmp_path / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR", name
+
+    md = md_path.read_text()
+    assert "all greedy outputs equal ar's" in md and "VIOLATED" not in md
+    assert all(f"![{name}]({name}.png)" in md for name in PLOTS)
+    assert "## Batch size 1" in md and "## Batch size 4" in md
+
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 4
+    links = re.findall(r"""(?:src|href)\s*=\s*["']?([^"'\s>]*)""", page)
+    assert len(links) == 4 and all(link.startswith("data:image/png;base64,") for link in links), "no external assets"
+
+
+@pytest.mark.parametrize("temperature, loud", [(0.0, True), (0.7, False)])
+def test_greedy_mismatch_is_loud(tmp_path, temperature, loud):
+    runs = synthetic_runs()
+    bad = next(r for r in runs if r["policy"] == "static_k2" and r["batch_size"] == 4)
+    bad["first_mismatch"] = 3
+    write_report(tmp_path, meta(temperature), runs, [])
+
+    mismatch = {"policy": "static_k2", "batch_size": 4, "first_mismatch": 3}
+    assert read_json(tmp_path)["lossless"] == {"checked": loud, "mismatches": [mismatch] if loud else []}
+    warning = "static_k2 at batch 4 differs from ar's, first at prompt 3"
+    for doc in ("report.md", "report.html"):
+        text = html.unescape((tmp_path / doc).read_text())
+        assert ("LOSSLESSNESS VIOLATED" in text and warning in text) == loud, doc
+        assert ("Lossless check skipped" in text) != loud, doc
+
+
+def test_baselines_without_engine_keys(tmp_path):
+    write_report(tmp_path, meta(), synthetic_runs(), [])
+    md = (tmp_path / "report.md").read_text()
+    assert "| hf_assisted | 70.0 | 1.40x | – | – | – | – | – |" in md
+    assert "- batch 4: confidence (231.9 tok/s, 1.29x vs ar); oracle (upper bound) 1.82x" in md  # not baselines
+    assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(project="specpolicy-test", save_dir=str(tmp_path / "logs"), offline=True)
+    try:
+        write_report(tmp_path / "report", meta(), synthetic_runs(), [], logger=logger)
+        speedup = logger.experiment.summary["eval/speedup/oracle@4"]  # offline runs keep scalars in run-*.wandb
+    finally:
+        logger.experiment.finish()
+    assert speedup == pytest.approx(2.4 / 4**0.2)
+
+    (run_dir,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
+    files = run_dir / "files"
+    (table,) = files.glob("media/table/eval/runs_*.table.json")
+    assert json.loads(table.read_text())["columns"][:3] == ["batch_size", "policy", "tok/s"]
+    assert {p.name.rsplit("_", 2)[0] for p in files.glob("media/images/eval/*.png")} == set(PLOTS)
