@@ -77,7 +77,7 @@ def collect(cfg: DictConfig) -> None:
 
 
 def head(cfg: DictConfig) -> None:
-    out = Path(cfg.paths.experiment_dir) / "head"
+    out = Path(cfg.head.out_dir)
     if (out / "head.pt").exists():
         log.info("head: %s exists, skipping", out)
         return

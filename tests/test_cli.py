@@ -39,23 +39,49 @@ def assert_clean_error(proc: subprocess.CompletedProcess, message: str) -> None:
     ],
 )
 def test_bad_input_is_one_line(overrides: list[str], message: str, tmp_path: Path) -> None:
-    assert_clean_error(run("evaluate.py", "experiment=tiny", "debug=fast", *overrides, tmp_path=tmp_path), message)
+    proc = run("evaluate.py", "experiment=tiny", "debug=fast", "draft=layers", *overrides, tmp_path=tmp_path)
+    assert_clean_error(proc, message)
 
 
 def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
-    proc = run("evaluate.py", "experiment=tiny", "debug=fast", f"data.prompts_file={long}",
+    proc = run("evaluate.py", "experiment=tiny", "debug=fast", "draft=layers", f"data.prompts_file={long}",
                "target.config.max_position_embeddings=128", tmp_path=tmp_path)
     assert_clean_error(proc, "exceeds the model's context of 128")
     empty = tmp_path / "empty.jsonl"
     empty.touch()
-    assert_clean_error(run("evaluate.py", "debug=fast", f"data.prompts_file={empty}", tmp_path=tmp_path), "is empty")
+    proc = run("evaluate.py", "debug=fast", "draft=layers", f"data.prompts_file={empty}", tmp_path=tmp_path)
+    assert_clean_error(proc, "is empty")
 
 
-def test_evaluate_debug_fast_runs_and_is_lossless(tmp_path: Path) -> None:
+def test_missing_trained_artifacts_say_which_stage_to_run(tmp_path: Path) -> None:
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "policy" not in line]
-    assert {line.split("|")[1].strip() for line in table} == {"ar", "static_k2", "static_k4", "heuristic", "confidence"}
-    assert all(line.rstrip(" |").endswith("yes") for line in table), proc.stdout
+    assert_clean_error(proc, "does not exist")
+
+
+def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
+    """The whole pipeline on tiny models: distil -> profile -> collect -> head, then the report."""
+    proc = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exp = tmp_path / "tiny"
+    for artefact in ("draft/config.json", "draft/metrics.json", "profile/cpu-float32.json", "rollouts/dataset_info.json",
+                     "head/head.pt"):
+        assert (exp / artefact).exists(), artefact
+    again = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
+    assert again.returncode == 0 and (again.stdout + again.stderr).count("skipping") >= 4, again.stdout[-2000:]
+    proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((exp / "report" / "report.json").read_text())
+    assert {"device", "target", "draft", "runs"} <= set(report)
+    required = {"policy", "batch_size", "tokens", "wall_s", "tokens_per_s", "speedup", "acceptance_rate",
+                "mean_accepted", "mean_depth", "flops"}
+    engine_runs = [r for r in report["runs"] if not r["policy"].startswith("hf_")]
+    assert {r["policy"] for r in engine_runs} >= {"ar", "static_k4", "goodput", "learned", "oracle"}
+    for r in engine_runs:
+        assert required <= set(r) and {"useful", "rejected", "padding", "total", "ar_equivalent"} <= set(r["flops"])
+    assert {r["policy"] for r in report["runs"]} >= {"hf_generate", "hf_assisted"}
+    assert report["lossless"] == {"checked": True, "mismatches": []}
+    lines = (exp / "report" / "outputs.jsonl").read_text().splitlines()
+    assert len(lines) == len(engine_runs) * report["num_prompts"]
+    assert "report:" in proc.stdout
