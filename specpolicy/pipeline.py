@@ -7,15 +7,23 @@ rerun alone and is skipped when its output exists.
 from __future__ import annotations
 
 import logging
+import os
+import platform
+from datetime import datetime
 from typing import Callable
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specpolicy import stages
 from specpolicy.data import encode_prompts
+from specpolicy.distill.stage import distil
 from specpolicy.errors import SpecPolicyError
-from specpolicy.eval.runner import format_table, side_by_side, summarise
+from specpolicy.decode import Engine
+from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
+from specpolicy.eval.report import write_report
+from specpolicy.eval.runner import side_by_side, summarise
 from specpolicy.models import LoadedModel, check_compatible
 
 log = logging.getLogger("specpolicy")
@@ -33,7 +41,9 @@ def prepare(cfg: DictConfig) -> None:
     load_target(cfg)
 
 
-STAGES: dict[str, Callable[[DictConfig], None]] = {"prepare": prepare}
+STAGES: dict[str, Callable[[DictConfig], None]] = {
+    "prepare": prepare, "distil": distil, "profile": stages.profile, "collect": stages.collect, "head": stages.head,
+}
 
 
 def train(cfg: DictConfig) -> None:
@@ -47,18 +57,55 @@ def train(cfg: DictConfig) -> None:
 
 
 def evaluate(cfg: DictConfig) -> None:
-    """Decode validation prompts with every policy in `eval.policies`, side by side, and print the table."""
+    """Every policy in `eval.policies` at every batch size in `eval.batch_sizes`, side by side on the same
+    prompts, plus transformers' own decoding as honesty baselines; writes the report to `eval.out_dir`."""
     target = load_target(cfg)
     draft = instantiate(cfg.draft).build(target)
     check_compatible(target, draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
-    policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items()}
-    runs = side_by_side(engine, prompts, policies, cfg.eval.batch_size)
-    rows = summarise(runs)
-    print(f"\ntarget {target.name}, draft {draft.name}, {len(prompts)} prompts, batch {cfg.eval.batch_size}, "
-          f"{engine.max_new_tokens} new tokens, temperature {engine.temperature}, device {engine.device}\n")
-    print(format_table(rows))
-    for conversation, output in list(zip(conversations, runs["ar"].outputs))[: cfg.eval.show]:
-        print(f"\n>>> {conversation[-1]['content']}\n{target.tokenizer.decode(output, skip_special_tokens=True)}")
+    policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items() if policy is not None}
+    rows, outputs = [], []
+    for bs in cfg.eval.batch_sizes:
+        log.info("evaluate: batch size %d, %d policies, %d prompts", bs, len(policies), len(prompts))
+        runs = side_by_side(engine, prompts, policies, bs)
+        rows += summarise(runs) + hf_rows(cfg, engine, target, draft, prompts, bs, runs["ar"].summary(None))
+        outputs += [{"policy": name, "batch_size": bs, "prompt_index": i, "prompt_ids": prompts[i], "output_ids": out,
+                     "text": target.tokenizer.decode(out, skip_special_tokens=True)}
+                    for name, run in runs.items() for i, out in enumerate(run.outputs)]
+    meta = {"device": str(engine.device), "hardware": hardware(engine.device), "target": target.name,
+            "draft": draft.name, "dtype": cfg.runtime.dtype, "temperature": engine.temperature,
+            "max_new_tokens": engine.max_new_tokens, "num_prompts": len(prompts),
+            "date": datetime.now().isoformat(timespec="seconds")}
+    logger = instantiate(cfg.logger) if cfg.get("logger") else None
+    report = write_report(cfg.eval.out_dir, meta, rows, outputs, logger)
+    if logger is not None:
+        logger.experiment.finish()
+    print(report.read_text().split("![")[0])
+    print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
+
+
+def hf_rows(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel, prompts: list[list[int]],
+            bs: int, ar: dict) -> list[dict]:
+    """transformers' generate at this batch size, and assisted generation at batch 1 (greedy only)."""
+    if not cfg.eval.hf_baselines or engine.temperature > 0:
+        return []
+    eos, pad, n = target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id, engine.max_new_tokens
+    timed = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos)}
+    if bs == 1:
+        timed["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, cfg.eval.hf_assisted_k, eos)
+    rows = []
+    for name, run in timed.items():
+        run(prompts[:bs])  # warm-up
+        results = [run(prompts[s : s + bs]) for s in range(0, len(prompts), bs)]
+        tokens, wall = sum(len(o) for outs, _ in results for o in outs), sum(sec for _, sec in results)
+        rows.append({"policy": name, "batch_size": bs, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                     "speedup": tokens / wall / ar["tokens_per_s"]})
+    return rows
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
