@@ -63,8 +63,7 @@ class DistillData:
         if (out / "dataset_info.json").exists():
             log.info("distillation data %s: cached at %s", desc, out)
             return out
-        temperature = self.temperature
-        responses = generate_responses(generator, prompts, self.max_new_tokens, self.batch_size, temperature,
+        responses = generate_responses(generator, prompts, self.max_new_tokens, self.batch_size, self.temperature,
                                        self.seed, desc=f"generating {desc} responses ({self.source})")
         rows = {"input_ids": [p + r for p, r in zip(prompts, responses)], "prompt_len": [len(p) for p in prompts]}
         if top_k:

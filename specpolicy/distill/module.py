@@ -134,7 +134,8 @@ class DistillDataModule(LightningDataModule):
             generator = self.target if self.data.source == "target" else self.draft
             val = replace(self.data, source="target", temperature=0.0)
             self._paths = {
-                "train": self.data.build(self.target, generator, self.prompts["train"], self.top_k, self.cache_dir, "train"),
+                "train": self.data.build(self.target, generator, self.prompts["train"], self.top_k, self.cache_dir,
+                                         "train"),
                 "validation": val.build(self.target, self.target, self.prompts["validation"], 0, self.cache_dir, "val"),
             }
         return self._paths

@@ -2,18 +2,22 @@
 
 Every draft source has `build(target) -> LoadedModel`, so `conf/draft/*.yaml` can swap how the draft
 is made without the pipeline knowing: a subset of the target's layers (any indices, sharing its
-embedding, final norm and head), or a pretrained model (hub id, HF folder, GGUF; e.g. a distilled draft).
+embedding, final norm and head), a fresh small model of the target's family (`FreshDraft`), or a
+pretrained model (hub id, HF folder, GGUF; e.g. a distilled draft). `describe_cost` prints what a draft
+token costs relative to a target token, analytically and measured, when a draft is built.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from specpolicy.cost.flops import FlopModel
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.compat import check_compatible
 from specpolicy.models.loading import LoadedModel, PretrainedSource
@@ -58,7 +62,9 @@ class LayerSubsetDraft:
         draft.load_state_dict(state, strict=True)
         draft.eval().requires_grad_(False)
         indices = [i % n for i in self.layers]
-        return LoadedModel(draft, target.tokenizer, f"{target.name}-layers{'_'.join(map(str, indices))}")
+        built = LoadedModel(draft, target.tokenizer, f"{target.name}-layers{'_'.join(map(str, indices))}")
+        describe_cost(target, built)
+        return built
 
 
 def _layer_prefix(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str:
@@ -77,4 +83,125 @@ class PretrainedDraft:
     def build(self, target: LoadedModel) -> LoadedModel:
         draft = self.source.load()
         check_compatible(target, draft)
+        describe_cost(target, draft)
         return draft
+
+
+@dataclass
+class FreshDraft:
+    """A new, smaller model of the target's family: fewer layers, optionally narrower.
+
+    Unset sizes keep the target's. The layers are random (seeded); the embedding and head start from
+    the target's, because they carry most of what a small draft can know: copied at the same width,
+    and at a narrower width projected onto the top right-singular directions of the target's
+    embedding, E V_k (the best rank-k approximation of E, so the tied head scores tokens as the
+    target's would, up to rank k). A narrower draft is the only way below the cost of the target's
+    own LM head (21% of SmolLM2-135M's per-token FLOPs).
+    """
+
+    num_hidden_layers: int = 2
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    init_from_target: bool = True
+    seed: int = 0
+
+    def build(self, target: LoadedModel) -> LoadedModel:
+        config = self._config(target.model.config)
+        param = next(target.model.parameters())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+        if self.init_from_target:
+            self._init_from(target.model, draft)
+        draft.eval().requires_grad_(False)
+        name = f"{target.name}-fresh{config.num_hidden_layers}x{config.hidden_size}"
+        built = LoadedModel(draft, target.tokenizer, name)
+        describe_cost(target, built)
+        return built
+
+    def _config(self, target_config):
+        config = copy.deepcopy(target_config)
+        hidden = self.hidden_size or config.hidden_size
+        heads = self.num_attention_heads or config.num_attention_heads
+        kv_heads = self.num_key_value_heads or min(getattr(config, "num_key_value_heads", heads) or heads, heads)
+        if hidden % heads or heads % kv_heads:
+            raise SpecPolicyError(f"draft.hidden_size={hidden} must divide into num_attention_heads={heads}, and "
+                                  f"those into num_key_value_heads={kv_heads}; pick sizes that divide")
+        if self.hidden_size and self.hidden_size > target_config.hidden_size:
+            raise SpecPolicyError(f"draft.hidden_size={hidden} is wider than the target's {target_config.hidden_size}")
+        scale = hidden / config.hidden_size
+        config.num_hidden_layers, config.hidden_size = self.num_hidden_layers, hidden
+        config.num_attention_heads, config.num_key_value_heads = heads, kv_heads
+        config.intermediate_size = self.intermediate_size or int(config.intermediate_size * scale)
+        if getattr(config, "head_dim", None):
+            config.head_dim = hidden // heads
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[: self.num_hidden_layers]
+        return config
+
+    @torch.no_grad()
+    def _init_from(self, target: torch.nn.Module, draft: torch.nn.Module) -> None:
+        t_emb = target.get_input_embeddings().weight  # [V, H]
+        d_emb = draft.get_input_embeddings().weight  # [V, h]
+        basis = _top_directions(t_emb, d_emb.shape[1])  # [H, h]
+        d_emb.copy_(t_emb @ basis)
+        t_head, d_head = target.get_output_embeddings(), draft.get_output_embeddings()
+        if d_head is not None and d_head.weight is not d_emb:  # untied head: project it the same way
+            d_head.weight.copy_(t_head.weight @ basis)
+        if d_emb.shape[1] == t_emb.shape[1]:  # same width: the target's final norm matches its head
+            t_norm, d_norm = target.base_model.norm, draft.base_model.norm
+            d_norm.load_state_dict(t_norm.state_dict())
+
+
+def _top_directions(weight: torch.Tensor, k: int) -> torch.Tensor:
+    """The identity at full width, else the k leading eigenvectors of WᵀW (right-singular vectors of W)."""
+    width = weight.shape[1]
+    if k == width:
+        return torch.eye(width, dtype=weight.dtype, device=weight.device)
+    gram = weight.double().T @ weight.double()  # [H, H]: cheaper than an SVD of the [V, H] matrix
+    _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues
+    return vectors[:, -k:].flip(-1).to(weight.dtype)
+
+
+def describe_cost(target: LoadedModel, draft: LoadedModel, context: int = 256, repeats: int = 10) -> dict[str, float]:
+    """Per-token cost of the draft relative to the target: analytic FLOPs (`FlopModel`) and the measured
+    latency of one decode forward (one new token over a `context`-token cache, batch 1, median of
+    `repeats` after a warm-up, target and draft interleaved). Logged and returned."""
+    context = min(context, target.context_length - 1, draft.context_length - 1)
+    t_flops = FlopModel.from_model(target.model).per_token(context)
+    d_flops = FlopModel.from_model(draft.model).per_token(context)
+    t_ms, d_ms = _decode_latency_ms([target.model, draft.model], context, repeats)
+    cost = {"flops_ratio": d_flops / t_flops, "latency_ratio": d_ms / t_ms, "target_ms": t_ms, "draft_ms": d_ms,
+            "target_gflops_per_token": t_flops / 1e9, "draft_gflops_per_token": d_flops / 1e9}
+    log.info("draft %s per token vs target %s: %.3f x FLOPs (%.3f vs %.3f GFLOP), %.3f x latency (%.2f vs %.2f ms, "
+             "decode at context %d)", draft.name, target.name, cost["flops_ratio"], d_flops / 1e9, t_flops / 1e9,
+             cost["latency_ratio"], d_ms, t_ms, context)
+    return cost
+
+
+@torch.inference_mode()
+def _decode_latency_ms(models: list[torch.nn.Module], context: int, repeats: int) -> list[float]:
+    from transformers import DynamicCache
+
+    from specpolicy.runtime import synchronize
+
+    device = next(models[0].parameters()).device
+    ids = torch.randint(0, models[0].config.vocab_size, (1, context + 1), device=device)
+    caches = []
+    for model in models:
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :context], cache=cache, use_cache=True)
+        caches.append(cache)
+    times = [[] for _ in models]
+    for r in range(repeats + 2):  # two warm-up rounds, then interleaved timed rounds
+        for model, cache, out in zip(models, caches, times):
+            synchronize(device)
+            t0 = time.perf_counter()
+            model(ids[:, context:], cache=cache, use_cache=True)
+            synchronize(device)
+            if r >= 2:
+                out.append(time.perf_counter() - t0)
+            cache.crop(-1)  # roll back the timed token
+    return [1e3 * sorted(t)[len(t) // 2] for t in times]

@@ -1,0 +1,93 @@
+"""Benchmark the distil stage on the embedded pair: divergences x draft shapes, same data, one process.
+
+    python scripts/bench_distill.py [--steps 60] [--shapes ...] [--losses ...] [--out DIR] [override ...]
+
+Each variant is the real `distil` stage on `experiment=smollm2_135m` plus a few Hydra overrides; all
+share one cached dataset (the target's responses to the train prompts, generated once). Validation
+prompts are held out. Prints a markdown table and writes checkpoints/bench/distill.{json,md}.
+Not a test: it takes tens of minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from specpolicy.distill.stage import distil
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "layers[0,1,2,-1]": ["draft=layers", "draft.layers=[0,1,2,-1]"],
+    "fresh 4x256": ["draft=fresh", "draft.num_hidden_layers=4", "draft.hidden_size=256",
+                    "draft.num_attention_heads=4", "draft.num_key_value_heads=2"],
+}
+LOSSES = ["forward_kl", "tvd"]
+COMMON = [  # short runs sized for a shared 2-core CPU; see the README for what longer runs would change
+    "experiment=smollm2_135m", "logger=none", "runtime.device=cpu", "callbacks.progress_bar=null",
+    "callbacks.lr_monitor=null", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=null",
+    "trainer.val_check_interval=1000000", "trainer.log_every_n_steps=5",
+    "distill.data.train_prompts=128", "distill.data.val_prompts=32", "distill.data.max_new_tokens=64",
+    "distill.data.top_k=32", "distill.data.batch_size=32", "distill.max_length=192", "distill.batch_size=4",
+    "distill.freeze_embeddings=true", "distill.optimizer.lr=5e-4", "distill.scheduler.num_warmup_steps=5",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--losses", nargs="+", default=LOSSES)
+    parser.add_argument("--out", default=str(ROOT / "checkpoints" / "bench"))
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    out = Path(args.out)
+    rows = []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for shape in args.shapes:
+            for loss in args.losses:
+                name = f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}"
+                run_dir = out / "runs"
+                shutil.rmtree(run_dir / name, ignore_errors=True)  # fresh training, shared data cache
+                cfg = compose(config_name="train", overrides=[
+                    *COMMON, *SHAPES[shape], f"distill/loss={loss}", f"trainer.max_steps={args.steps}",
+                    f"paths.checkpoints_dir={run_dir}", f"experiment_name={name}",
+                    f"paths.cache_dir={ROOT / 'checkpoints' / '.cache'}", *args.overrides])
+                distil(cfg)
+                metrics = json.loads((run_dir / name / "draft" / "metrics.json").read_text())
+                rows.append({"draft": shape, "loss": loss, **_row(metrics)})
+                _write(out, rows)
+    print(_markdown(rows))
+
+
+def _row(m: dict) -> dict:
+    return {"agreement_before": m["before"]["agreement"], "agreement_after": m["after"]["agreement"],
+            "acceptance_before": m["before"]["expected_acceptance"],
+            "acceptance_after": m["after"]["expected_acceptance"], "c_flops": m["cost"]["flops_ratio"],
+            "c_latency": m["cost"]["latency_ratio"], "train_s": m["train_seconds"], "steps": m["steps"]}
+
+
+def _markdown(rows: list[dict]) -> str:
+    head = ("| draft | loss | agreement before → after | expected acceptance before → after | c (FLOPs) "
+            "| c (latency) | steps | train time |\n|---|---|---|---|---|---|---|---|")
+    lines = [f"| {r['draft']} | {r['loss']} | {r['agreement_before']:.3f} → {r['agreement_after']:.3f} "
+             f"| {r['acceptance_before']:.3f} → {r['acceptance_after']:.3f} | {r['c_flops']:.3f} "
+             f"| {r['c_latency']:.3f} | {r['steps']} | {r['train_s'] / 60:.1f} min |" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def _write(out: Path, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "distill.json").write_text(json.dumps(rows, indent=2))
+    (out / "distill.md").write_text(_markdown(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

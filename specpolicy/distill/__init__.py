@@ -1,0 +1,2 @@
+"""Draft distillation: divergences (losses), cached distillation data (data), Lightning wrappers (module),
+and the `distil` pipeline stage (stage)."""

@@ -1,0 +1,124 @@
+"""The `distil` pipeline stage: build a draft, distil the target into it, save an HF model folder.
+
+Writes `paths.experiment_dir/draft/` (loadable by `AutoModelForCausalLM` and usable as transformers'
+`assistant_model=`) with `metrics.json` inside: validation agreement and expected acceptance before
+and after distillation, the draft's cost ratio, and the training wall time. Skipped when
+`draft/config.json` exists; a killed run resumes from `last.ckpt` (`distill.ckpt_path=last`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from specpolicy.data import encode_prompts
+from specpolicy.distill.module import DistillDataModule, DistillModule
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models import LoadedModel
+from specpolicy.models.draft import describe_cost
+from specpolicy.models.loading import save_model
+
+log = logging.getLogger("specpolicy")
+TARGET_PROBS = ("cached", "online")
+
+
+def distil(cfg: DictConfig) -> None:
+    out = Path(cfg.paths.experiment_dir) / "draft"
+    if (out / "config.json").exists():
+        log.info("distil: %s exists, skipping (delete it to distil again)", out)
+        return
+    d = cfg.distill
+    if d.target_probs not in TARGET_PROBS:
+        raise SpecPolicyError(f"distill.target_probs={d.target_probs!r}; choose one of {list(TARGET_PROBS)}")
+    if cfg.trainer.get("max_steps", -1) <= 0:
+        raise SpecPolicyError("distillation runs for a number of steps; set trainer.max_steps to a positive number")
+    L.seed_everything(cfg.seed, workers=True)
+    target = instantiate(cfg.target).load()
+    draft = instantiate(cfg.draft).build(target)
+    cost = describe_cost(target, draft)
+    datamodule = _datamodule(cfg, target, draft)
+    model = _trainable(draft.model, d)
+    module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
+                           scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
+                           temperature=d.temperature)
+    trainer = _trainer(cfg)
+    before = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=d.ckpt_path)
+    train_s = time.perf_counter() - start
+    if trainer.interrupted or trainer.global_step < trainer.max_steps:
+        raise SpecPolicyError(f"distillation stopped at step {trainer.global_step} of {trainer.max_steps}; "
+                              f"rerun the same command to resume from the last checkpoint")
+    after = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    if not trainer.is_global_zero:
+        return
+    merged = model.merge_and_unload() if d.get("lora") else model
+    metrics = {"draft": draft.name, "target": target.name, "before": _val(before), "after": _val(after),
+               "cost": cost, "train_seconds": train_s, "steps": trainer.global_step,
+               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+               "distill": OmegaConf.to_container(d, resolve=True)}
+    save_model(out, merged.eval(), target.tokenizer)
+    _write_json(out / "metrics.json", metrics)
+    log.info("distil: agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; saved %s",
+             metrics["before"]["agreement"], metrics["after"]["agreement"], metrics["before"]["expected_acceptance"],
+             metrics["after"]["expected_acceptance"], cost["flops_ratio"], train_s, out)
+
+
+def _trainable(model, d: DictConfig):
+    """The draft with what trains switched on: everything, everything but the embedding/head, or LoRA adapters."""
+    model = model.train().requires_grad_(True)
+    if d.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+        model.get_output_embeddings().requires_grad_(False)
+    if d.get("lora"):
+        from peft import get_peft_model
+
+        model = get_peft_model(model, instantiate(d.lora))
+    return model
+
+
+def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> DistillDataModule:
+    d = cfg.distill
+    data = instantiate(d.data)
+    prompts = {}
+    for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts)):
+        conversations = instantiate(cfg.data, split=split, limit=limit).load()
+        encoded = encode_prompts(target.tokenizer, conversations, context_length=2**62)
+        fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
+        prompts[split] = [ids for ids in encoded if len(ids) < fits]
+        if len(prompts[split]) < len(encoded):
+            log.info("distil: %d of %d %s prompts are too long for distill.max_length=%d, skipped",
+                     len(encoded) - len(prompts[split]), len(encoded), split, d.max_length)
+        if not prompts[split]:
+            raise SpecPolicyError(f"every {split} prompt is longer than distill.max_length={d.max_length} tokens; "
+                                  f"raise distill.max_length")
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return DistillDataModule(data, target.model, draft.model, prompts["train"], prompts["validation"],
+                             cfg.paths.cache_dir, d.batch_size, d.max_length, pad_id,
+                             cached_targets=d.target_probs == "cached", seed=cfg.seed)
+
+
+def _trainer(cfg: DictConfig) -> L.Trainer:
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    logger = instantiate(cfg.logger) if cfg.get("logger") and cfg.logger.get("_target_") else False
+    if logger is False:  # LearningRateMonitor refuses to run without a logger
+        callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
+    return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+
+
+def _val(metrics: dict[str, float]) -> dict[str, float]:
+    return {k.removeprefix("val/"): float(v) for k, v in metrics.items()}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)

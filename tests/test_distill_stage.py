@@ -1,0 +1,107 @@
+"""The distil stage end to end on tiny models, through the real Hydra config (debug=fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM
+
+from specpolicy.distill.stage import distil
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PROMPTS = [f"Say {w} {i} times." for i, w in enumerate(["hi", "yes", "ok", "go", "a", "b", "c", "d"] * 2)]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Short prompts (the byte tokenizer makes long ones long) and one data cache for every run here."""
+    root = tmp_path_factory.mktemp("distill")
+    rows = [{"prompt": p, "split": "train" if i < 12 else "validation"} for i, p in enumerate(PROMPTS)]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return root
+
+
+def _cfg(shared: Path, run: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=[
+            "debug=fast", "experiment=tiny", "runtime.device=cpu", "trainer.accelerator=cpu",
+            f"data.prompts_file={shared / 'prompts.jsonl'}", f"paths.checkpoints_dir={shared / run}",
+            f"paths.cache_dir={shared / 'cache'}", "distill.data.max_new_tokens=8",
+            *overrides])
+
+
+def _metrics(shared: Path, run: str) -> dict:
+    return json.loads((shared / run / "tiny" / "draft" / "metrics.json").read_text())
+
+
+def test_debug_fast_distils_a_loadable_assistant(shared):
+    cfg = _cfg(shared, "e2e", "draft.layers=[0,-1]")
+    distil(cfg)
+    m = _metrics(shared, "e2e")
+    assert m["steps"] == cfg.trainer.max_steps
+    assert m["after"]["expected_acceptance"] > m["before"]["expected_acceptance"]
+    assert m["cost"]["flops_ratio"] < 1 and {"agreement", "expected_acceptance"} <= set(m["after"])
+    draft = AutoModelForCausalLM.from_pretrained(shared / "e2e" / "tiny" / "draft")
+    assert draft.config.num_hidden_layers == 2
+    target = _target(cfg)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = target.generate(ids, max_new_tokens=6, do_sample=False)
+    assisted = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft)
+    assert torch.equal(plain, assisted)  # greedy assisted generation is lossless with our draft
+    before = (shared / "e2e" / "tiny" / "draft" / "metrics.json").stat().st_mtime_ns
+    distil(cfg)  # second run: skipped
+    assert (shared / "e2e" / "tiny" / "draft" / "metrics.json").stat().st_mtime_ns == before
+
+
+def _target(cfg):
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.target).load().model
+
+
+def test_fresh_draft_lora_online_targets_on_draft_data(shared):
+    distil(_cfg(shared, "lora", "draft=fresh", "draft.hidden_size=32", "draft.num_attention_heads=2",
+                "draft.num_key_value_heads=1", "distill=lora", "distill/loss=jsd", "distill.target_probs=online",
+                "distill.data.source=draft"))
+    m = _metrics(shared, "lora")
+    assert m["after"]["loss"] < m["before"]["loss"]
+    draft = AutoModelForCausalLM.from_pretrained(shared / "lora" / "tiny" / "draft")
+    assert draft.config.hidden_size == 32
+    assert not any("lora" in k for k in draft.state_dict())  # merged before saving
+
+
+class CrashAt(L.Callback):
+    """Stands in for a killed process: dies after optimizer step `step`, past the last checkpoint."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated kill")
+
+
+def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
+    every = ["draft.layers=[0,-1]", "trainer.max_steps=7", "callbacks.model_checkpoint.every_n_train_steps=2",
+             "trainer.val_check_interval=7"]
+    distil(_cfg(shared, "straight", *every))
+    crash = [*every, "+callbacks.crash._target_=test_distill_stage.CrashAt", "+callbacks.crash.step=5"]
+    with pytest.raises(BaseException, match="simulated kill"):
+        distil(_cfg(shared, "resumed", *crash))
+    ckpt_dir = shared / "resumed" / "tiny" / "distill" / "checkpoints"
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 4
+    assert not (shared / "resumed" / "tiny" / "draft").exists()
+    distil(_cfg(shared, "resumed", *every))  # distill.ckpt_path=last by default
+    straight, resumed = _metrics(shared, "straight"), _metrics(shared, "resumed")
+    assert resumed["steps"] == straight["steps"] == 7
+    for key in ("loss", "agreement", "expected_acceptance"):
+        assert resumed["after"][key] == pytest.approx(straight["after"][key], abs=1e-6), key
+    a = AutoModelForCausalLM.from_pretrained(shared / "straight" / "tiny" / "draft").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(shared / "resumed" / "tiny" / "draft").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
