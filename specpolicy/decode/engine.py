@@ -94,7 +94,7 @@ class Engine:
         policy.reset(len(prompts))
         rows = self._start(prompts, K)
         caches = RaggedCache(rows.seq.shape[1]), RaggedCache(rows.seq.shape[1]) if K else None
-        stats = DecodeStats(max_depth=K)
+        stats = DecodeStats(max_depth=K, batch_size=len(prompts))
         outputs: list[list[int]] = [[] for _ in prompts]
         synchronize(self.device)
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from specpolicy.cost.flops import BUCKETS
 @dataclass
 class DecodeStats:
     max_depth: int
+    batch_size: int
     tokens: int = 0
     wall_s: float = 0.0
     target_forwards: int = 0
@@ -21,12 +22,16 @@ class DecodeStats:
     accepted: int = 0
     drafted_at: torch.Tensor = field(init=False)  # [max_depth] rows that drafted position i+1
     accepted_at: torch.Tensor = field(init=False)  # [max_depth] rows whose position i+1 was accepted
+    depth_at_load: torch.Tensor = field(init=False)  # [batch_size+1] drafted tokens summed by rows in flight
+    steps_at_load: torch.Tensor = field(init=False)  # [batch_size+1] row-steps by rows in flight
     flops: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # BUCKETS
     ar_flops: float = 0.0  # what plain decoding would spend on the same output
 
     def __post_init__(self) -> None:
         self.drafted_at = torch.zeros(self.max_depth, dtype=torch.long)
         self.accepted_at = torch.zeros(self.max_depth, dtype=torch.long)
+        self.depth_at_load = torch.zeros(self.batch_size + 1, dtype=torch.long)
+        self.steps_at_load = torch.zeros(self.batch_size + 1, dtype=torch.long)
 
     def record_step(self, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """drafted/accepted [A] draft tokens per row in one verify step (host tensors)."""
@@ -36,6 +41,8 @@ class DecodeStats:
         positions = torch.arange(1, self.max_depth + 1)
         self.drafted_at += (drafted[:, None] >= positions).sum(0)
         self.accepted_at += (accepted[:, None] >= positions).sum(0)
+        self.depth_at_load[drafted.numel()] += drafted.sum()
+        self.steps_at_load[drafted.numel()] += drafted.numel()
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,4 +72,5 @@ class DecodeStats:
             "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
             "mean_depth": self.mean_depth, "drafted_at": self.drafted_at.tolist(),
             "accepted_at": self.accepted_at.tolist(), "flops": self.flops_dict(),
+            "depth_at_load": self.depth_at_load.tolist(), "steps_at_load": self.steps_at_load.tolist(),
         }

@@ -22,7 +22,6 @@ from specpolicy.data import encode_prompts
 from specpolicy.distill.module import DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
-from specpolicy.models.draft import describe_cost
 from specpolicy.models.loading import save_model
 
 log = logging.getLogger("specpolicy")
@@ -42,7 +41,7 @@ def distil(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target).load()
     draft = instantiate(cfg.draft).build(target)
-    cost = describe_cost(target, draft)
+    cost = draft.cost
     datamodule = _datamodule(cfg, target, draft)
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),

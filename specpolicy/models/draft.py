@@ -63,7 +63,7 @@ class LayerSubsetDraft:
         draft.eval().requires_grad_(False)
         indices = [i % n for i in self.layers]
         built = LoadedModel(draft, target.tokenizer, f"{target.name}-layers{'_'.join(map(str, indices))}")
-        describe_cost(target, built)
+        built.cost = describe_cost(target, built)
         return built
 
 
@@ -83,7 +83,7 @@ class PretrainedDraft:
     def build(self, target: LoadedModel) -> LoadedModel:
         draft = self.source.load()
         check_compatible(target, draft)
-        describe_cost(target, draft)
+        draft.cost = describe_cost(target, draft)
         return draft
 
 
@@ -118,7 +118,7 @@ class FreshDraft:
         draft.eval().requires_grad_(False)
         name = f"{target.name}-fresh{config.num_hidden_layers}x{config.hidden_size}"
         built = LoadedModel(draft, target.tokenizer, name)
-        describe_cost(target, built)
+        built.cost = describe_cost(target, built)
         return built
 
     def _config(self, target_config):

@@ -38,6 +38,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str
+    cost: dict[str, float] | None = None  # a draft's per-token cost relative to its target, set when built
 
     @property
     def context_length(self) -> int:
@@ -76,7 +77,9 @@ class PretrainedSource:
 
     @property
     def name(self) -> str:
-        return Path(self.path.removeprefix(PACKAGE_PREFIX)).name.removesuffix(".gguf")
+        """The file stem of a GGUF, else the last two path parts (`owner/model`, `experiment/draft`)."""
+        path = Path(self.path.removeprefix(PACKAGE_PREFIX))
+        return path.stem if path.suffix == ".gguf" else "/".join(path.parts[-2:])
 
     def _resolve(self) -> Path:
         """Turn the configured string into a local path, or return it unchanged when it can only be a hub id."""

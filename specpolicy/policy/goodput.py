@@ -9,6 +9,11 @@ probability that all of its drafts up to i are accepted) keeps drafting iff
 where T is the cost model's step time at the current load. Acceptance estimates come from an
 `estimator`: the draft's own top-1 probability (`goodput`), or the trained depth head (`learned`).
 One mechanism, two estimators.
+
+Before drafting, each row's budget is the depth that maximises goodput if its tokens are accepted at
+the rate it has shown so far (a moving average, from `prior`): sum_i alpha^i tokens per T(rows, k). A
+row whose history says speculation does not pay gets depth 0 and costs no draft forward at all; every
+`probe_every` such steps it drafts one token to refresh its estimate.
 """
 
 from __future__ import annotations
@@ -52,16 +57,39 @@ class GoodputPolicy(DepthPolicy):
 
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", prior: float = 0.5, smoothing: float = 0.3, probe_every: int = 8):
         if not isinstance(profile, LatencyProfile):
             profile = LatencyProfile.load(profile_file(profile, device, dtype))
         self.cost = CostModel(profile)
         self.max_depth = k
         self.estimator = estimator or DraftConfidence()
-        self._expected = self._reach = torch.empty(0)
+        self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
+        self._expected = self._reach = self._alpha = self._idle = torch.empty(0)
+
+    def reset(self, batch_size: int) -> None:
+        self._alpha = torch.full((batch_size,), self.prior)
+        self._idle = torch.zeros(batch_size, dtype=torch.long)
 
     def budget(self, state: StepState) -> torch.Tensor:
-        return torch.full_like(state.generated, self.cost.max_useful_depth(state.rows, self.max_depth))
+        cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
+        rows = state.row_ids.cpu()
+        depths = torch.arange(cap + 1)
+        step_ms = torch.tensor([self.cost.step_ms(state.rows, int(d)) for d in depths], dtype=torch.float64)
+        alpha = self._alpha[rows].double()[:, None]  # [A, 1]
+        expected = (alpha ** depths).cumsum(-1)  # [A, cap+1]: tokens per step at each depth, bonus included
+        best = (expected / step_ms).argmax(-1)
+        probe = (best == 0) & (self._idle[rows] >= self.probe_every) & (cap > 0)
+        best = torch.where(probe, 1, best)
+        self._idle[rows] = torch.where(best == 0, self._idle[rows] + 1, 0)
+        return best.to(state.generated.device)
+
+    def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Per-token acceptance seen this step: a accepted of k drafted, a rejection after them if a < k."""
+        rows, drafted, accepted = state.row_ids.cpu(), drafted.cpu().double(), accepted.cpu().double()
+        seen = accepted / (accepted + (accepted < drafted).double()).clamp(min=1)
+        update = drafted > 0
+        alpha = self._alpha[rows]
+        self._alpha[rows] = torch.where(update, (1 - self.smoothing) * alpha + self.smoothing * seen.float(), alpha)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         if position == 1:
