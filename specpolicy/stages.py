@@ -87,7 +87,9 @@ def head(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     data = RolloutDataModule(features, rollouts["accepted"].float(), rollouts["group"], h.batch_size, h.val_fraction,
                              cfg.seed)
-    module = HeadModule(HeadConfig(hidden=h.hidden, layers=h.layers), lr=h.lr)
+    first = features[:, FEATURE_NAMES.index("position")] == 1
+    prior = float(rollouts["accepted"].float()[first].mean()) if bool(first.any()) else 0.5
+    module = HeadModule(HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior), lr=h.lr)
     trainer = instantiate(h.trainer, logger=instantiate(cfg.logger) if cfg.get("logger") else False)
     trainer.fit(module, datamodule=data, ckpt_path=h.ckpt_path)
     module.head.save(out)

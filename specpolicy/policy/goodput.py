@@ -11,7 +11,8 @@ where T is the cost model's step time at the current load. Acceptance estimates 
 One mechanism, two estimators.
 
 Before drafting, each row's budget is the depth that maximises goodput if its tokens are accepted at
-the rate it has shown so far (a moving average, from `prior`): sum_i alpha^i tokens per T(rows, k). A
+the rate it has shown so far (a moving average, starting from `prior`, which the learned policy takes
+from its rollouts): sum_i alpha^i tokens per T(rows, k). A
 row whose history says speculation does not pay gets depth 0 and costs no draft forward at all; every
 `probe_every` such steps it drafts one token to refresh its estimate.
 """
@@ -47,6 +48,11 @@ class HeadEstimator:
     def __post_init__(self) -> None:
         self.head = DepthHead.load(self.path)
 
+    @property
+    def prior(self) -> float:
+        """How often the draft's first token was accepted in the rollouts the head learned from."""
+        return self.head.config.prior
+
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         self.head.to(features.device)
         return torch.sigmoid(self.head(features))
@@ -57,13 +63,15 @@ class GoodputPolicy(DepthPolicy):
 
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
-                 dtype: str = "float32", prior: float = 0.5, smoothing: float = 0.3, probe_every: int = 8):
+                 dtype: str = "float32", prior: float | None = None, smoothing: float = 0.3, probe_every: int = 8):
         if not isinstance(profile, LatencyProfile):
             profile = LatencyProfile.load(profile_file(profile, device, dtype))
         self.cost = CostModel(profile)
         self.max_depth = k
         self.estimator = estimator or DraftConfidence()
-        self.prior, self.smoothing, self.probe_every = prior, smoothing, probe_every
+        # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
+        self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
+        self.smoothing, self.probe_every = smoothing, probe_every
         self._expected = self._reach = self._alpha = self._idle = torch.empty(0)
 
     def reset(self, batch_size: int) -> None:

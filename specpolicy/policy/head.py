@@ -23,6 +23,7 @@ class HeadConfig:
     hidden: int = 32
     layers: int = 2
     features: tuple[str, ...] = FEATURE_NAMES
+    prior: float = 0.5  # acceptance rate of a first draft token in the training rollouts
 
 
 class DepthHead(nn.Module):
