@@ -47,6 +47,7 @@ def test_mean_depth_falls_with_load_and_reaches_zero(tiny_model, tmp_path: Path,
     confident[:, COLUMN["top1"]] = 0.99
     depth = {}
     for rows in synthetic.ROWS:
+        policy.reset(rows)
         state = StepState(torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows, rows * 64)
         budget = int(policy.budget(state).max())
         kept = 0
@@ -61,11 +62,12 @@ def test_mean_depth_falls_with_load_and_reaches_zero(tiny_model, tmp_path: Path,
 
 
 def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
-    """Through the engine: a confident estimator drafts deep at batch 1 and not at all at batch 64."""
+    """Through the engine: at batch 1 a row that keeps being accepted learns to draft deep; at batch 64 no
+    row drafts at all (not even the first draft forward)."""
     target = tiny_model()
     policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=6,
                            estimator=lambda f: torch.full_like(f[:, 0], 0.95))
-    engine = Engine(target.model, target.model, max_new_tokens=8)
+    engine = Engine(target.model, target.model, max_new_tokens=32)  # a draft equal to the target: all accepted
     prompts = [[3, 4, 5]] * 64
     assert engine.generate(prompts[:1], policy).stats.mean_depth > 2
     busy = engine.generate(prompts, policy).stats
