@@ -35,7 +35,7 @@ def assert_clean_error(proc: subprocess.CompletedProcess, message: str) -> None:
         (["target=nope"], "Could not find 'target/nope'"),
         (["runtime.dtype=float33"], "unknown dtype 'float33'"),
         (["data.prompts_file=/tmp/no_prompts_here.jsonl"], "does not exist; fix data.prompts_file"),
-        (["draft=layers", "draft.layers=[0,9]"], "indexes outside the target's 4 layers"),
+        (["draft=layers", "draft.layers=[0,9]"], "indexes outside the target's 6 layers"),
     ],
 )
 def test_bad_input_is_one_line(overrides: list[str], message: str, tmp_path: Path) -> None:

@@ -48,7 +48,8 @@ def engine_row(policy: str, b: int, k: int, accept: float, tps: float, ar_tps: f
             "mean_depth": float(depth), "target_forwards": round(64 / tau), "draft_forwards": round(64 / tau) * k,
             "flops": {**flops, "total": sum(flops.values()), "ar_equivalent": ar_flops},
             "drafted_at": drafted, "accepted_at": accepted,
-            "depth_by_load": {r: depth * (1 - 0.1 * (r - 1)) for r in range(1, b + 1)}, "first_mismatch": None}
+            "depth_by_load": {r: depth * (1 - 0.1 * (r - 1)) for r in range(1, b + 1)}, "first_mismatch": None,
+            "upper_bound": policy == "oracle"}
 
 
 def synthetic_runs() -> list[dict]:
