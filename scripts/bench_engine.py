@@ -16,16 +16,14 @@ from omegaconf import DictConfig
 from specpolicy.cli import entry
 from specpolicy.data import encode_prompts
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
-from specpolicy.models import check_compatible
 from specpolicy.policy import ArPolicy, StaticPolicy
+from specpolicy.stages import load_pair
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
 def bench(cfg: DictConfig) -> None:
-    target = instantiate(cfg.target).load()
-    draft = instantiate(cfg.draft).build(target)
-    check_compatible(target, draft)
+    target, draft = load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     tok, n_new = target.tokenizer, engine.max_new_tokens
     prompts = encode_prompts(tok, instantiate(cfg.data).load()[: cfg.bench.num_prompts], target.context_length, n_new)

@@ -24,21 +24,14 @@ from specpolicy.decode import Engine
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import side_by_side, summarise
-from specpolicy.models import LoadedModel, check_compatible
+from specpolicy.models import LoadedModel
 
 log = logging.getLogger("specpolicy")
 
 
-def load_target(cfg: DictConfig) -> LoadedModel:
-    target = instantiate(cfg.target).load()
-    log.info("target %s: %.1fM parameters, context %d", target.name, target.model.num_parameters() / 1e6,
-             target.context_length)
-    return target
-
-
 def prepare(cfg: DictConfig) -> None:
     """Load the target once, so a GGUF source is converted and cached before any timed work."""
-    load_target(cfg)
+    stages.load_target(cfg)
 
 
 STAGES: dict[str, Callable[[DictConfig], None]] = {
@@ -59,9 +52,7 @@ def train(cfg: DictConfig) -> None:
 def evaluate(cfg: DictConfig) -> None:
     """Every policy in `eval.policies` at every batch size in `eval.batch_sizes`, side by side on the same
     prompts, plus transformers' own decoding as honesty baselines; writes the report to `eval.out_dir`."""
-    target = load_target(cfg)
-    draft = instantiate(cfg.draft).build(target)
-    check_compatible(target, draft)
+    target, draft = stages.load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)

@@ -29,10 +29,18 @@ from specpolicy.rollout.features import FEATURE_NAMES
 log = logging.getLogger("specpolicy")
 
 
-def load_pair(cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
-    """The target and the draft the later stages use (`trained_draft`: by default distil's output)."""
+def load_target(cfg: DictConfig) -> LoadedModel:
     target = instantiate(cfg.target).load()
-    draft = instantiate(cfg.trained_draft).build(target)
+    log.info("target %s: %.1fM parameters, context %d", target.name, target.model.num_parameters() / 1e6,
+             target.context_length)
+    return target
+
+
+def load_pair(cfg: DictConfig, draft_cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
+    """The target and a draft built from `draft_cfg` (`cfg.trained_draft` after distil, `cfg.draft` to evaluate),
+    checked against each other."""
+    target = load_target(cfg)
+    draft = instantiate(draft_cfg).build(target)
     check_compatible(target, draft)
     return target, draft
 
@@ -42,7 +50,7 @@ def profile(cfg: DictConfig) -> None:
     if out.exists():
         log.info("profile: %s exists, skipping", out)
         return
-    target, draft = load_pair(cfg)
+    target, draft = load_pair(cfg, cfg.trained_draft)
     p = cfg.profile
     measure(target.model, draft.model, list(p.rows), list(p.tokens), p.context, p.repeats, cfg.runtime.dtype).save(out)
     log.info("profile: saved %s", out)
@@ -55,7 +63,7 @@ def collect(cfg: DictConfig) -> None:
     if (out / "dataset_info.json").exists():
         log.info("collect: %s exists, skipping", out)
         return
-    target, draft = load_pair(cfg)
+    target, draft = load_pair(cfg, cfg.trained_draft)
     c = cfg.collect
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
     conversations = instantiate(cfg.data, split="train").load()

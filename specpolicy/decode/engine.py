@@ -158,12 +158,11 @@ class Engine:
         """Propose up to `depth` tokens per row; returns drafts [A, k], p [A, k, V], n_draft [A], feeds."""
         unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
         width = int((host["length"] - host["d_len"]).max())
-        logits = self._read(self.draft, cache, rows, rows.d_len, width, unseen - 1, host["d_len"].max())[:, 0]
+        logits = self._read(self.draft, cache, rows, rows.d_len, width, (unseen - 1)[:, None], host["d_len"].max())[:, 0]
         stats.draft_forwards += 1
         tokens, dists = [], []
         drafting = budget > 0
         n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
-        decides = None
         for i in range(1, depth + 1):
             p_i = sampling.probs(logits, self.temperature, self.top_p)  # [A, V]
             x_i = sampling.sample(p_i, sampling.uniform(rows.seeds, rows.generated + i - 1, sampling.DRAFT))
@@ -178,8 +177,8 @@ class Engine:
             dists.append(p_i)
             if i == depth or (decides is not None and not bool(drafting.any())):
                 break
-            logits = self._read(self.draft, cache, rows, rows.length + i - 1, 1, None, host["length"].max() + i - 1,
-                                token=x_i)[:, 0]
+            logits = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
+                                host["length"].max() + i - 1, token=x_i)[:, 0]
             stats.draft_forwards += 1
         return torch.stack(tokens, 1), torch.stack(dists, 1), n_draft, len(tokens) - 1
 
@@ -197,15 +196,14 @@ class Engine:
         return sampling.probs(logits, self.temperature, self.top_p)
 
     def _read(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, starts: torch.Tensor, width: int,
-              keep: torch.Tensor | None, max_start: torch.Tensor, token: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward `width` tokens per row from `starts` (from rows.seq, or `token` [A] when given)."""
+              keep: torch.Tensor, max_start: torch.Tensor, token: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward `width` tokens per row from `starts` (from rows.seq, or `token` [A] when given); logits at
+        chunk positions `keep` [A, K]."""
         if token is None:
             index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=rows.seq.shape[1] - 1)
             chunk = rows.seq.gather(1, index)
         else:
             chunk = token[:, None]
-        keep = keep if keep is not None else torch.zeros_like(starts)
-        keep = keep if keep.dim() == 2 else keep[:, None]
         return forward(model, cache, chunk, starts, int(max_start) + width, keep.clamp(max=width - 1), self.context - 1)
 
     def _commit(self, rows: Rows, drafts: torch.Tensor, n_acc: torch.Tensor, token: torch.Tensor,

@@ -12,11 +12,11 @@ from transformers import PreTrainedModel
 from specpolicy.runtime import synchronize
 
 
-def _timed(fn) -> tuple[list[list[int]], float]:
-    synchronize(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+def _timed(fn, device: torch.device) -> tuple[list[list[int]], float]:
+    synchronize(device)
     t0 = time.perf_counter()
     out = fn()
-    synchronize(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    synchronize(device)
     return out, time.perf_counter() - t0
 
 
@@ -33,7 +33,7 @@ def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens
                              pad_token_id=pad_id, eos_token_id=eos_id)
         return [_cut(row[width:].tolist(), eos_id) for row in out]
 
-    return _timed(run)
+    return _timed(run, model.device)
 
 
 def assisted_settings(k: int) -> dict:
@@ -59,7 +59,7 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
             outs.append(_cut(out[0, len(p):].tolist(), eos_id))
         return outs
 
-    return _timed(run)
+    return _timed(run, target.device)
 
 
 def _cut(ids: list[int], eos_id: int | list[int] | None) -> list[int]:
