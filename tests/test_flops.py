@@ -35,7 +35,8 @@ def prompts() -> list[list[int]]:
 
 
 def decode(target, draft, prompts, policy, eos=(), n=N):
-    return Engine(target.model, draft, max_new_tokens=n, eos_token_id=list(eos)).generate(prompts, policy)
+    # solo_above=8: prompts 20 and 13 are read alone, the others batched
+    return Engine(target.model, draft, max_new_tokens=n, eos_token_id=list(eos), solo_above=8).generate(prompts, policy)
 
 
 # ---------------------------------------------------------------- the analytic model
@@ -73,9 +74,9 @@ class ForwardRecorder:
         self.calls = []
         real = engine_module.forward
 
-        def recorded(model, cache, tokens, starts, kv_len, keep, max_position):
+        def recorded(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs):
             self.calls.append((model, tokens.shape[0], tokens.shape[1], kv_len))
-            return real(model, cache, tokens, starts, kv_len, keep, max_position)
+            return real(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs)
 
         monkeypatch.setattr(engine_module, "forward", recorded)
 

@@ -65,7 +65,7 @@ def time_forward(model: PreTrainedModel, rows: int, tokens: list[int], context: 
     """Milliseconds of one forward of `t` new tokens per row over a `context`-token cache, per t: the
     fastest of `repeats` timed runs after a warm-up, since interference only ever adds time."""
     device, vocab = model.device, model.config.vocab_size
-    cache = RaggedCache(context + max(tokens))
+    cache = RaggedCache(rows, context + max(tokens))
     prefix = torch.randint(0, vocab, (rows, context), device=device)
     zeros = torch.zeros(rows, dtype=torch.long, device=device)
     forward(model, cache, prefix, zeros, context, zeros[:, None], context)

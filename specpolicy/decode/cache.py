@@ -5,7 +5,8 @@ scattering the new keys/values of row b at positions `start[b] + i` and returnin
 the longest row. Rolling back a row (rejected draft tokens) is just a smaller `start` next time: the
 stale slots are masked and later overwritten, never copied. Padding slots of short rows land past the
 row's length (masked, overwritten before anyone reads them), or, past the buffer's end, in a trash
-slot that no query ever sees.
+slot that no query ever sees. A forward may also cover one slice of the rows (`rows=`): a long prompt
+is then read alone instead of padding every other row to its length.
 """
 
 from __future__ import annotations
@@ -17,27 +18,30 @@ from transformers import Cache, PreTrainedModel
 class RaggedCache(Cache):
     """Per-row-length KV cache: buffers [B, H_kv, T, D] per layer, allocated on first use."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, batch: int, capacity: int):
         super().__init__(layers=[])
+        self.batch = batch
         self.capacity = capacity + 1  # the last slot is trash for padding writes
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self._write_index: torch.Tensor | None = None  # [B, W] slots the current forward writes
         self._kv_len = 0
+        self._rows = slice(None)
 
-    def begin(self, starts: torch.Tensor, width: int, kv_len: int) -> None:
-        """Before a forward of `width` tokens per row, starting at `starts` [B]."""
+    def begin(self, starts: torch.Tensor, width: int, kv_len: int, rows: slice = slice(None)) -> None:
+        """Before a forward of `width` tokens per row of `rows`, starting at `starts` [len(rows)]."""
+        self._rows = rows
         slots = starts[:, None] + torch.arange(width, device=starts.device)  # [B, W]
         self._write_index = slots.clamp(max=self.capacity - 1)
         self._kv_len = min(kv_len, self.capacity)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx not in self.keys:
-            B, H, _, _ = key_states.shape
-            shape = lambda t: (B, H, self.capacity, t.shape[-1])  # noqa: E731
+            H = key_states.shape[1]
+            shape = lambda t: (self.batch, H, self.capacity, t.shape[-1])  # noqa: E731
             self.keys[layer_idx] = key_states.new_zeros(shape(key_states))
             self.values[layer_idx] = value_states.new_zeros(shape(value_states))
-        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k, v = self.keys[layer_idx][self._rows], self.values[layer_idx][self._rows]  # views: writes land in place
         index = self._write_index[:, None, :, None]  # [B, 1, W, 1]
         k.scatter_(2, index.expand(-1, k.shape[1], -1, k.shape[3]), key_states)
         v.scatter_(2, index.expand(-1, v.shape[1], -1, v.shape[3]), value_states)
@@ -48,6 +52,7 @@ class RaggedCache(Cache):
         for store in (self.keys, self.values):
             for idx, buf in store.items():
                 store[idx] = buf.index_select(0, rows)
+        self.batch = rows.numel()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
@@ -58,15 +63,16 @@ class RaggedCache(Cache):
 
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
-    keep: torch.Tensor, max_position: int,
+    keep: torch.Tensor, max_position: int, rows: slice = slice(None),
 ) -> torch.Tensor:
-    """Run `tokens` [B, W] at per-row offsets `starts` [B]; return logits at positions `keep` [B, K].
+    """Run `tokens` [B, W] of cache rows `rows` at per-row offsets `starts` [B]; return logits at positions
+    `keep` [B, K].
 
     Only the kept positions go through the LM head, so a long prefill does not pay W x vocab logits.
     The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only.
     """
     B, W = tokens.shape
-    cache.begin(starts, W, kv_len)
+    cache.begin(starts, W, kv_len, rows)
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
     keys = torch.arange(cache._kv_len, device=tokens.device)
     visible = keys[None, None, :] <= positions[:, :, None]  # [B, W, T]

@@ -5,6 +5,8 @@ One step, for every row in flight:
   draft   the draft first reads every committed token it has not seen (catching up after
           depth-0 steps, so its cache never goes stale), then proposes one token per position,
           and the policy may stop any row after each position;
+          a row with many unseen tokens (a prompt) reads them alone first, so ragged prompts are
+          never padded to the longest one;
   verify  the target reads the tokens it has not seen plus each row's drafts, in one pass;
   accept  per row, the lossless rejection rule (greedy = exact match) keeps a prefix + one token;
   commit  rows advance by what they kept; caches roll back by length, never by copying;
@@ -70,13 +72,17 @@ class Engine:
     def __init__(
         self, target: PreTrainedModel, draft: PreTrainedModel | None = None, max_new_tokens: int = 64,
         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | list[int] | None = None,
+        solo_above: int = 16,
     ):
+        """`solo_above`: rows of a batch with more unseen tokens than this read them in a forward of their own
+        (16 prompts of 39-172 tokens: 3.1 s row by row vs 5.7 s padded to the longest, SmolLM2-135M on CPU)."""
         if max_new_tokens < 1:
             raise SpecPolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise SpecPolicyError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
         self.target, self.draft = target, draft
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.solo_above = solo_above
         eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.device = target.device
@@ -93,7 +99,8 @@ class Engine:
         K = policy.max_depth
         policy.reset(len(prompts))
         rows = self._start(prompts, K)
-        caches = RaggedCache(rows.seq.shape[1]), RaggedCache(rows.seq.shape[1]) if K else None
+        A, cap = rows.seq.shape
+        caches = RaggedCache(A, cap), RaggedCache(A, cap) if K else None
         stats = DecodeStats(max_depth=K, batch_size=len(prompts))
         outputs: list[list[int]] = [[] for _ in prompts]
         synchronize(self.device)
@@ -156,6 +163,7 @@ class Engine:
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
                state: StepState, depth: int, stats: DecodeStats):
         """Propose up to `depth` tokens per row; returns drafts [A, k], p [A, k, V], n_draft [A], feeds."""
+        stats.draft_forwards += self._read_alone(self.draft, cache, rows, host, "d_len", stats)
         unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
         width = int((host["length"] - host["d_len"]).max())
         logits = self._read(self.draft, cache, rows, rows.d_len, width, (unseen - 1)[:, None], host["d_len"].max())[:, 0]
@@ -185,6 +193,7 @@ class Engine:
     def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, n_draft: torch.Tensor,
                 stats: DecodeStats) -> torch.Tensor:
         """Target distributions q [A, k+1, V] at the last committed token and after each draft token."""
+        stats.target_forwards += self._read_alone(self.target, cache, rows, host, "t_len", stats)
         k = drafts.shape[1]
         slots = rows.length[:, None] + torch.arange(k, device=self.device)
         rows.seq.scatter_(1, slots, drafts)  # tentative: past `length`, overwritten by the commit
@@ -194,6 +203,28 @@ class Engine:
         logits = self._read(self.target, cache, rows, rows.t_len, width, keep, host["t_len"].max())
         stats.target_forwards += 1
         return sampling.probs(logits, self.temperature, self.top_p)
+
+    def _read_alone(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, host: dict, seen: str,
+                    stats: DecodeStats) -> int:
+        """Rows with more than `solo_above` committed tokens `model` has not read read all but the last
+        one in a forward of their own (no LM head), and are charged for exactly those tokens; returns the
+        number of forwards. `seen` names the counter ("t_len" or "d_len") that advances, on device and host."""
+        if rows.row_ids.numel() == 1:  # nothing to pad against
+            return 0
+        done, flops = host[seen], self.t_flops if seen == "t_len" else self.d_flops
+        behind = (host["length"] - done - 1).tolist()
+        alone = [b for b, n in enumerate(behind) if n >= self.solo_above]
+        for b in alone:
+            start, n = int(done[b]), behind[b]
+            forward(model, cache, rows.seq[b : b + 1, start : start + n], getattr(rows, seen)[b : b + 1], start + n,
+                    rows.seq.new_zeros(1, 0), self.context - 1, rows=slice(b, b + 1))
+            read = torch.tensor([n])
+            stats.flops += flops.buckets(done[b : b + 1], n, start + n, read, read)
+            if seen == "t_len":
+                stats.ar_flops += float(flops.prefix(done[b : b + 1], read).sum())
+            done[b] += n
+            getattr(rows, seen)[b] += n
+        return len(alone)
 
     def _read(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, starts: torch.Tensor, width: int,
               keep: torch.Tensor, max_start: torch.Tensor, token: torch.Tensor | None = None) -> torch.Tensor:
