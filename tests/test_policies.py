@@ -31,6 +31,17 @@ def test_cost_model_interpolates_between_measured_points() -> None:
     assert cost.step_ms(8, 2) == pytest.approx(2 * 0.1 * (30 + 8) + 30 + 8 * 3)
 
 
+def test_cost_model_never_rewards_more_work_for_noise() -> None:
+    noisy = synthetic.profile()
+    noisy.target_ms[3][2] = 1.0  # 8 rows x 3 tokens "measured" faster than 1 row x 1 token
+    cost = CostModel(noisy)
+    assert cost.forward_ms("target", 8, 3) == pytest.approx(max(noisy.target_ms[3][1], noisy.target_ms[2][2]))
+    for name in ("target", "draft"):
+        grid = [[cost.forward_ms(name, r, t) for t in synthetic.TOKENS] for r in synthetic.ROWS]
+        assert all(a <= b for row in grid for a, b in zip(row, row[1:]))
+        assert all(a <= b for col in zip(*grid) for a, b in zip(col, col[1:]))
+
+
 def test_speculation_stops_where_the_profile_says_it_cannot_pay() -> None:
     cost = CostModel(synthetic.profile(per_token_ms=2.0, draft_share=0.3))
     depths = [cost.max_useful_depth(rows, 8) for rows in synthetic.ROWS]
@@ -72,6 +83,25 @@ def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
     assert engine.generate(prompts[:1], policy).stats.mean_depth > 2
     busy = engine.generate(prompts, policy).stats
     assert busy.mean_depth == 0 and busy.draft_forwards == 0
+
+
+def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
+    """The "draft at all" decision costs no draft forward: a hopeless prior never drafts, an optimistic
+    check discovers a perfect draft, and a useless draft is dropped after a check and re-checked rarely."""
+    target, other = tiny_model(), tiny_model(seed=1)
+    profile = synthetic.profile(per_token_ms=2.0, draft_share=0.3)  # batch 1 breaks even at acceptance ~0.36
+    trusting = lambda f: torch.full_like(f[:, 0], 0.95)  # noqa: E731 (keep drafting up to the budget)
+    n = 48
+
+    def run(draft, prior: float):
+        policy = GoodputPolicy(profile, k=4, prior=prior, estimator=trusting)
+        return Engine(target.model, draft.model, max_new_tokens=n).generate([[3, 4, 5]], policy).stats
+
+    assert run(target, prior=0.05).draft_forwards == 0
+    assert run(target, prior=0.2).mean_depth > 1.5  # from one token to the cap of 4 as evidence builds
+    useless = run(other, prior=0.2)
+    assert useless.acceptance_rate < 0.2
+    assert 0 < useless.drafted <= n // 8, useless.drafted
 
 
 def test_head_round_trip(tmp_path: Path) -> None:

@@ -10,11 +10,14 @@ where T is the cost model's step time at the current load. Acceptance estimates 
 `estimator`: the draft's own top-1 probability (`goodput`), or the trained depth head (`learned`).
 One mechanism, two estimators.
 
-Before drafting, each row's budget is the depth that maximises goodput if its tokens are accepted at
-the rate it has shown so far (a moving average, starting from `prior`, which the learned policy takes
-from its rollouts): sum_i alpha^i tokens per T(rows, k). A
-row whose history says speculation does not pay gets depth 0 and costs no draft forward at all; every
-`probe_every` such steps it drafts one token to refresh its estimate.
+Before drafting, each row's budget (the "draft at all" decision, which must not cost a draft
+forward) is the depth that maximises goodput, sum_i alpha^i tokens per T(rows, k), at the row's
+estimated per-token acceptance alpha: a Beta-Bernoulli mean over the tokens it has had verified,
+starting from `prior` (the learned policy takes it from its rollouts) with the weight of `strength`
+tokens. Evidence fades by `memory` per step, so an estimate from long ago grows uncertain again. A
+row whose estimate says depth 0 drafts one token only when an optimistic estimate (`optimism`
+standard deviations above the mean) says drafting could pay: a hopeless draft at this load costs
+nothing, a row near the break-even point keeps checking, and no probing schedule is needed.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class GoodputPolicy(DepthPolicy):
 
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
-                 dtype: str = "float32", prior: float | None = None, smoothing: float = 0.3, probe_every: int = 8):
+                 dtype: str = "float32", prior: float | None = None, strength: float = 4.0, memory: float = 0.95,
+                 optimism: float = 1.0):
         if not isinstance(profile, LatencyProfile):
             profile = LatencyProfile.load(profile_file(profile, device, dtype))
         self.cost = CostModel(profile)
@@ -71,33 +75,40 @@ class GoodputPolicy(DepthPolicy):
         self.estimator = estimator or DraftConfidence()
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
         self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
-        self.smoothing, self.probe_every = smoothing, probe_every
-        self._expected = self._reach = self._alpha = self._idle = torch.empty(0)
+        self.strength, self.memory, self.optimism = strength, memory, optimism
+        self._expected = self._reach = self._accepted = self._verified = torch.empty(0)
 
     def reset(self, batch_size: int) -> None:
-        self._alpha = torch.full((batch_size,), self.prior)
-        self._idle = torch.zeros(batch_size, dtype=torch.long)
+        self._accepted = torch.zeros(batch_size, dtype=torch.float64)  # faded counts of accepted draft tokens
+        self._verified = torch.zeros(batch_size, dtype=torch.float64)  # ... and of draft tokens verified
 
     def budget(self, state: StepState) -> torch.Tensor:
-        cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
         rows = state.row_ids.cpu()
+        self._accepted[rows] *= self.memory
+        self._verified[rows] *= self.memory
+        cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
+        if cap == 0:
+            return torch.zeros_like(state.generated)
+        n = self._verified[rows] + self.strength
+        alpha = (self._accepted[rows] + self.strength * self.prior) / n
+        hopeful = (alpha + self.optimism * (alpha * (1 - alpha) / n).sqrt()).clamp(max=1)
+        best = self._best_depth(torch.stack([alpha, hopeful]), state.rows, cap)
+        budget = torch.where(best[0] > 0, best[0], best[1].clamp(max=1))
+        return budget.to(state.generated.device)
+
+    def _best_depth(self, alpha: torch.Tensor, rows: int, cap: int) -> torch.Tensor:
+        """The goodput-maximising depth <= cap for each per-token acceptance in `alpha` [...]."""
         depths = torch.arange(cap + 1)
-        step_ms = torch.tensor([self.cost.step_ms(state.rows, int(d)) for d in depths], dtype=torch.float64)
-        alpha = self._alpha[rows].double()[:, None]  # [A, 1]
-        expected = (alpha ** depths).cumsum(-1)  # [A, cap+1]: tokens per step at each depth, bonus included
-        best = (expected / step_ms).argmax(-1)
-        probe = (best == 0) & (self._idle[rows] >= self.probe_every) & (cap > 0)
-        best = torch.where(probe, 1, best)
-        self._idle[rows] = torch.where(best == 0, self._idle[rows] + 1, 0)
-        return best.to(state.generated.device)
+        step_ms = torch.tensor([self.cost.step_ms(rows, int(d)) for d in depths], dtype=torch.float64)
+        expected = (alpha[..., None] ** depths).cumsum(-1)  # tokens per step at each depth, bonus included
+        return (expected / step_ms).argmax(-1)
 
     def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Per-token acceptance seen this step: a accepted of k drafted, a rejection after them if a < k."""
+        """Per-token evidence of this step: `accepted` successes, then one failure if the row stopped at a
+        rejection (accepted < drafted)."""
         rows, drafted, accepted = state.row_ids.cpu(), drafted.cpu().double(), accepted.cpu().double()
-        seen = accepted / (accepted + (accepted < drafted).double()).clamp(min=1)
-        update = drafted > 0
-        alpha = self._alpha[rows]
-        self._alpha[rows] = torch.where(update, (1 - self.smoothing) * alpha + self.smoothing * seen.float(), alpha)
+        self._accepted[rows] += accepted
+        self._verified[rows] += accepted + (accepted < drafted).double()
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         if position == 1:
