@@ -60,37 +60,42 @@ def device_name(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
+class _Timer:
+    """Times one forward of `t` new tokens per row for `rows` rows over a `context`-token cache."""
+
+    def __init__(self, model: PreTrainedModel, rows: int, context: int, max_tokens: int):
+        self.model, self.rows, self.context = model, rows, context
+        device, vocab = model.device, model.config.vocab_size
+        self.cache = RaggedCache(rows, context + max_tokens)
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        forward(model, self.cache, torch.randint(0, vocab, (rows, context), device=device), zeros, context,
+                zeros[:, None], context)
+        self.starts = torch.full_like(zeros, context)
+
+    @torch.inference_mode()
+    def __call__(self, t: int) -> float:
+        device = self.model.device
+        chunk = torch.randint(0, self.model.config.vocab_size, (self.rows, t), device=device)
+        keep = torch.arange(t, device=device).expand(self.rows, t)  # verification needs logits at every token
+        synchronize(device)
+        t0 = time.perf_counter()
+        forward(self.model, self.cache, chunk, self.starts, self.context + t, keep, self.context + t)
+        synchronize(device)
+        return 1e3 * (time.perf_counter() - t0)
+
+
 @torch.inference_mode()
-def time_forward(model: PreTrainedModel, rows: int, tokens: list[int], context: int, repeats: int) -> list[float]:
-    """Milliseconds of one forward of `t` new tokens per row over a `context`-token cache, per t: the
-    fastest of `repeats` timed runs after a warm-up, since interference only ever adds time."""
-    device, vocab = model.device, model.config.vocab_size
-    cache = RaggedCache(rows, context + max(tokens))
-    prefix = torch.randint(0, vocab, (rows, context), device=device)
-    zeros = torch.zeros(rows, dtype=torch.long, device=device)
-    forward(model, cache, prefix, zeros, context, zeros[:, None], context)
-    starts = torch.full_like(zeros, context)
-    out = []
-    for t in tokens:
-        chunk = torch.randint(0, vocab, (rows, t), device=device)
-        keep = torch.arange(t, device=device).expand(rows, t)  # verification needs logits at every token
-        times = []
-        for r in range(repeats + 1):  # one warm-up
-            synchronize(device)
-            t0 = time.perf_counter()
-            forward(model, cache, chunk, starts, context + t, keep, context + t)
-            synchronize(device)
-            if r:
-                times.append(time.perf_counter() - t0)
-        out.append(1e3 * min(times))
-    return out
-
-
 def measure(target: PreTrainedModel, draft: PreTrainedModel, rows: list[int], tokens: list[int], context: int,
             repeats: int, dtype: str) -> LatencyProfile:
-    grids = {"target": [], "draft": []}
-    for r in tqdm(rows, desc="profile (rows)"):
-        for name, model in (("target", target), ("draft", draft)):
-            grids[name].append(time_forward(model, r, tokens, context, repeats))
+    """Milliseconds per forward on the (rows x tokens) grid: the fastest of `repeats` rounds, each round one
+    pass over the whole grid, so a slow spell of a shared machine spreads over many cells instead of
+    spoiling one (interference only ever adds time). One untimed round warms up."""
+    timers = {(name, r): _Timer(model, r, context, max(tokens))
+              for name, model in (("target", target), ("draft", draft)) for r in rows}
+    best = {key: [float("inf")] * len(tokens) for key in timers}
+    for _ in tqdm(range(repeats + 1), desc="profile (rounds over the grid)"):
+        for key, timer in timers.items():
+            best[key] = [min(b, timer(t)) for b, t in zip(best[key], tokens)]
+    grids = {name: [best[(name, r)] for r in rows] for name in ("target", "draft")}
     return LatencyProfile(device_name(target.device), dtype, context, list(rows), list(tokens),
                           grids["target"], grids["draft"])
