@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specpolicy.decode import Engine
+from specpolicy.eval import report
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import side_by_side, summarise
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
@@ -137,6 +138,19 @@ def test_greedy_mismatch_is_loud(tmp_path, temperature, loud):
         text = html.unescape((tmp_path / doc).read_text())
         assert ("LOSSLESSNESS VIOLATED" in text and warning in text) == loud, doc
         assert ("Lossless check skipped" in text) != loud, doc
+
+
+def test_load_aware_policies_are_compared_with_the_best_static_depth():
+    rows = [engine_row("static_k1", 1, 1, 0.5, 60.0, 50.0), engine_row("static_k2", 1, 2, 0.5, 40.0, 50.0),
+            engine_row("learned", 1, 1, 0.5, 66.0, 50.0), engine_row("ar", 1, 0, 0.0, 50.0, 50.0)]
+    kinds = {"static_k1": "StaticPolicy", "static_k2": "StaticPolicy", "learned": "GoodputPolicy", "ar": "ArPolicy"}
+    for r in rows:
+        r["kind"] = kinds[r["policy"]]
+    rows[2]["flops"].update(rejected=0.0, padding=rows[0]["flops"]["padding"] / 4)
+    wasted = rows[0]["flops"]["rejected"] + rows[0]["flops"]["padding"]
+    line = report.best(rows, 1)
+    assert line.startswith("batch 1: learned (66.0 tok/s, 1.32x vs ar)")
+    assert f"learned vs best static (static_k1): 1.10x tok/s, {rows[0]['flops']['padding'] / 4 / wasted:.2f}x" in line
 
 
 def test_baselines_without_engine_keys(tmp_path):

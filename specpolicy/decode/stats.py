@@ -17,6 +17,8 @@ class DecodeStats:
     wall_s: float = 0.0
     target_forwards: int = 0
     draft_forwards: int = 0
+    steps: int = 0  # verify steps
+    policy_s: float = 0.0  # host time inside the policy's budget/keep/observe (what deciding costs)
     row_steps: int = 0  # (row, verify step) pairs
     drafted: int = 0
     accepted: int = 0
@@ -35,6 +37,7 @@ class DecodeStats:
 
     def record_step(self, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """drafted/accepted [A] draft tokens per row in one verify step (host tensors)."""
+        self.steps += 1
         self.row_steps += drafted.numel()
         self.drafted += int(drafted.sum())
         self.accepted += int(accepted.sum())
@@ -69,6 +72,7 @@ class DecodeStats:
         return {
             "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
             "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
+            "steps": self.steps, "policy_s": self.policy_s,
             "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
             "mean_depth": self.mean_depth, "drafted_at": self.drafted_at.tolist(),
             "accepted_at": self.accepted_at.tolist(), "flops": self.flops_dict(),

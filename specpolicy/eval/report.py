@@ -109,6 +109,7 @@ COLUMNS: list[tuple[str, Callable[[dict], float | str | None], str]] = [
     ("mean depth", lambda r: r.get("mean_depth"), "{:.2f}"),
     ("FLOPs total/ar", lambda r: flops_ratio(r, "total"), "{:.2f}x"),
     ("rejected+padding share", waste_share, "{:.0%}"),
+    ("policy ms/step", lambda r: r.get("policy_ms_per_step"), "{:.2f}"),
 ]
 
 
@@ -130,7 +131,21 @@ def best(runs: list[dict], batch_size: int) -> str:
     top = max(candidates, key=lambda r: r["tokens_per_s"])
     speedup = lambda r: cell(r.get("speedup"), "{:.2f}x")  # noqa: E731
     bounds = "".join(f"; {r['policy']} (upper bound) {speedup(r)}" for r in rows if r.get("upper_bound"))
-    return f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar){bounds}"
+    line = f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar){bounds}"
+    return line + against_best_static(rows)
+
+
+def against_best_static(rows: list[dict]) -> str:
+    """Load-aware policies against the fastest static depth at this batch size: speed and wasted FLOPs."""
+    static = [r for r in rows if r.get("kind") == "StaticPolicy"]
+    if not static:
+        return ""
+    top = max(static, key=lambda r: r["tokens_per_s"])
+    wasted = lambda r: r["flops"]["rejected"] + r["flops"]["padding"]  # noqa: E731
+    parts = [f"{r['policy']} vs best static ({top['policy']}): {r['tokens_per_s'] / top['tokens_per_s']:.2f}x tok/s, "
+             f"{cell(wasted(r) / wasted(top) if wasted(top) else None, '{:.2f}x')} rejected+padding FLOPs"
+             for r in rows if r.get("kind") == "GoodputPolicy"]
+    return "".join(f"; {p}" for p in parts)
 
 
 def lossless_lines(check: dict) -> list[str]:

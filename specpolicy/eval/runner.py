@@ -16,6 +16,7 @@ class PolicyRun:
     policy: str
     batch_size: int
     upper_bound: bool = False  # knows the target's output (oracle): a bound, not a method
+    kind: str = ""  # the policy's class, so reports can find e.g. the best static depth
     stats: list[DecodeStats] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -34,7 +35,8 @@ class PolicyRun:
             "mean_accepted": (accepted + row_steps) / row_steps, "mean_depth": drafted / row_steps,
             "target_forwards": sum(s.target_forwards for s in self.stats),
             "draft_forwards": sum(s.draft_forwards for s in self.stats),
-            "flops": flops, "upper_bound": self.upper_bound,
+            "flops": flops, "upper_bound": self.upper_bound, "kind": self.kind,
+            "policy_ms_per_step": 1e3 * sum(s.policy_s for s in self.stats) / max(sum(s.steps for s in self.stats), 1),
             "drafted_at": summed("drafted_at"), "accepted_at": summed("accepted_at"),
             # mean depth by rows in flight: {rows: mean drafted tokens per row-step}
             "depth_by_load": {r: d / n for r, (d, n) in enumerate(zip(summed("depth_at_load"), summed("steps_at_load")))
@@ -48,7 +50,8 @@ def side_by_side(
     """Decode `prompts` in batches of `batch_size` with every policy; `ar` first in each batch (it is the
     reference for speedup, for losslessness checks and for the oracle)."""
     names = sorted(policies, key=lambda n: n != "ar")
-    runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policies[name], OraclePolicy)) for name in names}
+    runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policies[name], OraclePolicy),
+                            kind=type(policies[name]).__name__) for name in names}
     if warmup:  # allocator, kernels, caches: every policy once, untimed
         _decode_batch(engine, prompts[:batch_size], policies, names, {n: PolicyRun(n, batch_size) for n in names})
     for start in range(0, len(prompts), batch_size):
