@@ -3,10 +3,13 @@
 Prints and saves JSON with, side by side in one process, interleaved over `bench.repeats` rounds:
   * the engine's `ar` vs `model.generate` tokens/s at each batch size (the baseline must be honest);
   * `static` k with the configured draft vs transformers' assisted generation at batch 1.
+Each ratio is measured within every round and reported as the median over rounds with its range: on a
+shared machine a slow spell hits one round, and a ratio of two totals would still carry it.
 """
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import hydra
@@ -28,14 +31,15 @@ def bench(cfg: DictConfig) -> None:
     tok, n_new = target.tokenizer, engine.max_new_tokens
     prompts = encode_prompts(tok, instantiate(cfg.data).load()[: cfg.bench.num_prompts], target.context_length, n_new)
     eos = target.model.generation_config.eos_token_id
-    totals: dict[str, list[float]] = {}
+    rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
 
     def add(name: str, outputs: list[list[int]], seconds: float) -> None:
-        tokens, wall = totals.setdefault(name, [0, 0.0])
-        totals[name] = [tokens + sum(map(len, outputs)), wall + seconds]
+        tokens, wall = rounds[-1].setdefault(name, [0, 0.0])
+        rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
 
     engine.generate(prompts[:2], StaticPolicy(k=2))  # warm-up
     for _ in range(cfg.bench.repeats):
+        rounds.append({})
         for bs in cfg.bench.batch_sizes:
             for start in range(0, len(prompts), bs):
                 batch = prompts[start : start + bs]
@@ -47,17 +51,20 @@ def bench(cfg: DictConfig) -> None:
                 r = engine.generate([p], StaticPolicy(k=k))
                 add(f"engine_static_k{k}@1", r.outputs, r.stats.wall_s)
             add(f"hf_assisted_k{k}@1", *hf_assisted(target.model, draft.model, prompts, n_new, k, eos))
-    rates = {name: tokens / wall for name, (tokens, wall) in totals.items()}
-    ratios = {f"engine_ar_vs_hf_generate@{bs}": rates[f"engine_ar@{bs}"] / rates[f"hf_generate@{bs}"]
-              for bs in cfg.bench.batch_sizes}
-    ratios.update({f"engine_static_k{k}_vs_hf_assisted@1": rates[f"engine_static_k{k}@1"] / rates[f"hf_assisted_k{k}@1"]
-                   for k in cfg.bench.ks})
-    ratios.update({f"engine_static_k{k}_vs_engine_ar@1": rates[f"engine_static_k{k}@1"] / rates["engine_ar@1"]
-                   for k in cfg.bench.ks})
+    per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
+    rates = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
+    pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in cfg.bench.batch_sizes}
+    pairs.update({f"engine_static_k{k}_vs_hf_assisted@1": (f"engine_static_k{k}@1", f"hf_assisted_k{k}@1")
+                  for k in cfg.bench.ks})
+    pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks})
+    ratios, ranges = {}, {}
+    for key, (a, b) in pairs.items():
+        within = [r[a] / r[b] for r in per_round]
+        ratios[key], ranges[key] = statistics.median(within), [min(within), max(within)]
     report = {"target": target.name, "draft": draft.name, "device": str(engine.device), "dtype": cfg.runtime.dtype,
               "prompts": len(prompts), "max_new_tokens": n_new, "repeats": cfg.bench.repeats,
               "assisted_settings": {k: assisted_settings(k) for k in cfg.bench.ks},
-              "tokens_per_s": rates, "ratios": ratios}
+              "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges}
     out = Path(cfg.bench.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -85,3 +85,17 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     lines = (exp / "report" / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == len(engine_runs) * report["num_prompts"]
     assert "report:" in proc.stdout
+
+
+def test_engine_benchmark_reports_ratios_within_rounds(tmp_path: Path) -> None:
+    """scripts/bench_engine.py on tiny models: every ratio comes with its median and its range over rounds."""
+    proc = run("bench_engine.py", "experiment=tiny", "debug=fast", "draft=layers", "bench.num_prompts=2",
+               "bench.batch_sizes=[1,2]", "bench.ks=[1]", "bench.repeats=2", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "tiny" / "bench" / "engine.json").read_text())
+    assert set(report["ratios"]) == {"engine_ar_vs_hf_generate@1", "engine_ar_vs_hf_generate@2",
+                                     "engine_static_k1_vs_hf_assisted@1", "engine_static_k1_vs_engine_ar@1"}
+    for key, ratio in report["ratios"].items():
+        low, high = report["ratio_range"][key]
+        assert 0 < low <= ratio <= high
+    assert report["assisted_settings"]["1"]["assistant_confidence_threshold"] == 0.0

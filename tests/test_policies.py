@@ -82,8 +82,8 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
     trusting = lambda f: torch.full_like(f[:, 0], 0.95)  # noqa: E731 (keep drafting up to the budget)
     n = 48
 
-    def run(draft, prior: float):
-        policy = GoodputPolicy(profile, k=4, prior=prior, estimator=trusting)
+    def run(draft, prior: float, estimator=trusting):
+        policy = GoodputPolicy(profile, k=4, prior=prior, estimator=estimator)
         return Engine(target.model, draft.model, max_new_tokens=n).generate([[3, 4, 5]], policy).stats
 
     assert run(target, prior=0.05).draft_forwards == 0
@@ -91,6 +91,9 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
     useless = run(other, prior=0.2)
     assert useless.acceptance_rate < 0.2
     assert 0 < useless.drafted <= n // 8, useless.drafted
+    # a draft forward whose token `keep` always refuses is evidence too: such rows stop paying for it
+    refused = run(target, prior=0.3, estimator=lambda f: torch.zeros_like(f[:, 0]))
+    assert refused.drafted == 0 and 0 < refused.draft_forwards <= n // 4, refused.draft_forwards  # was: every step
 
 
 def test_head_round_trip(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tqdm.auto import tqdm
+
 from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import DepthPolicy, OraclePolicy
@@ -54,7 +56,8 @@ def side_by_side(
                             kind=type(policies[name]).__name__) for name in names}
     if warmup:  # allocator, kernels, caches: every policy once, untimed
         _decode_batch(engine, prompts[:batch_size], policies, names, {n: PolicyRun(n, batch_size) for n in names})
-    for start in range(0, len(prompts), batch_size):
+    for start in tqdm(range(0, len(prompts), batch_size), desc=f"batch size {batch_size} ({len(names)} policies)",
+                      unit="batch"):
         _decode_batch(engine, prompts[start : start + batch_size], policies, names, runs)
     return runs
 

@@ -76,7 +76,7 @@ class GoodputPolicy(DepthPolicy):
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
         self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
         self.strength, self.memory, self.optimism = strength, memory, optimism
-        self._expected = self._reach = self._accepted = self._verified = torch.empty(0)
+        self._expected = self._reach = self._accepted = self._verified = self._budget = torch.empty(0)
 
     def reset(self, batch_size: int) -> None:
         self._accepted = torch.zeros(batch_size, dtype=torch.float64)  # faded counts of accepted draft tokens
@@ -88,13 +88,14 @@ class GoodputPolicy(DepthPolicy):
         self._verified[rows] *= self.memory
         cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
         if cap == 0:
+            self._budget = torch.zeros(len(rows), dtype=torch.long)
             return torch.zeros_like(state.generated)
         n = self._verified[rows] + self.strength
         alpha = (self._accepted[rows] + self.strength * self.prior) / n
         hopeful = (alpha + self.optimism * (alpha * (1 - alpha) / n).sqrt()).clamp(max=1)
         best = self._best_depth(torch.stack([alpha, hopeful]), state.rows, cap)
-        budget = torch.where(best[0] > 0, best[0], best[1].clamp(max=1))
-        return budget.to(state.generated.device)
+        self._budget = torch.where(best[0] > 0, best[0], best[1].clamp(max=1))
+        return self._budget.to(state.generated.device)
 
     def _best_depth(self, alpha: torch.Tensor, rows: int, cap: int) -> torch.Tensor:
         """The goodput-maximising depth <= cap for each per-token acceptance in `alpha` [...]."""
@@ -105,10 +106,12 @@ class GoodputPolicy(DepthPolicy):
 
     def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """Per-token evidence of this step: `accepted` successes, then one failure if the row stopped at a
-        rejection (accepted < drafted)."""
+        rejection (accepted < drafted), or if it paid a draft forward and `keep` kept nothing (a row that
+        drafts only to be stopped at position 1 gains nothing, and must learn that too)."""
         rows, drafted, accepted = state.row_ids.cpu(), drafted.cpu().double(), accepted.cpu().double()
+        wasted = (self._budget > 0) & (drafted == 0)
         self._accepted[rows] += accepted
-        self._verified[rows] += accepted + (accepted < drafted).double()
+        self._verified[rows] += accepted + ((accepted < drafted) | wasted).double()
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         if position == 1:
