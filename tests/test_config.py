@@ -30,13 +30,17 @@ def fake_artifacts(experiment_dir: Path) -> None:
     synthetic.head_dir(experiment_dir / "head")
 
 
+REUSES = {"smollm2_135m_batch_sweep": "smollm2_135m"}  # evaluates another experiment's trained artefacts
+
+
 @pytest.mark.parametrize("name", ["train", "evaluate"])
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_compose_and_resolve(name: str, experiment: str, tmp_path: Path) -> None:
     cfg = compose_config(name, [f"experiment={experiment}"], tmp_path)
     OmegaConf.resolve(cfg)
-    assert cfg.experiment_name == experiment
-    assert Path(cfg.paths.experiment_dir) == tmp_path / experiment
+    expected = REUSES.get(experiment, experiment)
+    assert cfg.experiment_name == expected
+    assert Path(cfg.paths.experiment_dir) == tmp_path / expected
 
 
 @pytest.mark.parametrize(
