@@ -61,7 +61,8 @@ def device_name(device: torch.device) -> str:
 
 
 class _Timer:
-    """Times one forward of `t` new tokens per row for `rows` rows over a `context`-token cache."""
+    """Times one forward of `t` new tokens per row for `rows` rows over a `context`-token cache (used inside
+    `measure`, which runs in inference mode)."""
 
     def __init__(self, model: PreTrainedModel, rows: int, context: int, max_tokens: int):
         self.model, self.rows, self.context = model, rows, context
@@ -72,7 +73,6 @@ class _Timer:
                 zeros[:, None], context)
         self.starts = torch.full_like(zeros, context)
 
-    @torch.inference_mode()
     def __call__(self, t: int) -> float:
         device = self.model.device
         chunk = torch.randint(0, self.model.config.vocab_size, (self.rows, t), device=device)

@@ -143,9 +143,8 @@ class Engine:
               outputs: list[list[int]]) -> dict:
         state = StepState(rows.row_ids, rows.generated, rows.row_ids.numel(), int(host["length"].sum()))
         remaining = self.max_new_tokens - rows.generated
-        t0 = time.perf_counter()
-        budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes
-        stats.policy_s += time.perf_counter() - t0
+        with stats.deciding():
+            budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes
         depth = int(budget.max())
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
@@ -156,9 +155,8 @@ class Engine:
         q = self._verify(rows, host, caches[0], drafts, n_draft, stats)
         n_acc, token = sampling.accept(drafts, p, q, n_draft, rows.seeds, rows.generated)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
-        t0 = time.perf_counter()
-        policy.observe(state, n_draft, n_acc)
-        stats.policy_s += time.perf_counter() - t0
+        with stats.deciding():
+            policy.observe(state, n_draft, n_acc)
         new_host = rows.host()
         stats.record_step(n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())  # an accepted EOS draft ends the row
         self._account(stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
@@ -180,9 +178,8 @@ class Engine:
             x_i = sampling.sample(p_i, sampling.uniform(rows.seeds, rows.generated + i - 1, sampling.DRAFT))
             features = draft_features(logits, cum, i, state.rows, state.tokens)
             cum = features[:, COLUMN["cum_top1"]]
-            t0 = time.perf_counter()
-            decides = policy.keep(features, x_i, state, i)
-            stats.policy_s += time.perf_counter() - t0
+            with stats.deciding():
+                decides = policy.keep(features, x_i, state, i)
             drafting &= budget >= i
             if decides is not None:
                 drafting &= decides

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +49,13 @@ class DecodeStats:
         self.accepted_at += (accepted[:, None] >= positions).sum(0)
         self.depth_at_load[drafted.numel()] += drafted.sum()
         self.steps_at_load[drafted.numel()] += drafted.numel()
+
+    @contextmanager
+    def deciding(self) -> Iterator[None]:
+        """Time spent inside a policy call goes to `policy_s`."""
+        t0 = time.perf_counter()
+        yield
+        self.policy_s += time.perf_counter() - t0
 
     @property
     def acceptance_rate(self) -> float:

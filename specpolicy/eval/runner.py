@@ -47,15 +47,15 @@ class PolicyRun:
 
 
 def side_by_side(
-    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int, warmup: bool = True
+    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int
 ) -> dict[str, PolicyRun]:
     """Decode `prompts` in batches of `batch_size` with every policy; `ar` first in each batch (it is the
     reference for speedup, for losslessness checks and for the oracle)."""
     names = sorted(policies, key=lambda n: n != "ar")
     runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policies[name], OraclePolicy),
                             kind=type(policies[name]).__name__) for name in names}
-    if warmup:  # allocator, kernels, caches: every policy once, untimed
-        _decode_batch(engine, prompts[:batch_size], policies, names, {n: PolicyRun(n, batch_size) for n in names})
+    # warm-up, untimed, at every batch size (allocator, kernels, caches): every policy runs the first batch once
+    _decode_batch(engine, prompts[:batch_size], policies, names, {n: PolicyRun(n, batch_size) for n in names})
     for start in tqdm(range(0, len(prompts), batch_size), desc=f"batch size {batch_size} ({len(names)} policies)",
                       unit="batch"):
         _decode_batch(engine, prompts[start : start + batch_size], policies, names, runs)
