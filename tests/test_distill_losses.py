@@ -79,3 +79,11 @@ def test_dense_from_topk_keeps_topk_and_spreads_the_tail():
     torch.testing.assert_close(dense.gather(-1, top.indices), top.values)
     full = q_logp.topk(V, -1)
     torch.testing.assert_close(losses.dense_from_topk(full.indices, full.values, V), q_logp, atol=1e-4, rtol=0)
+
+
+def test_dense_from_topk_restricted_to_a_draft_vocabulary_keeps_the_same_values():
+    _, q_logits = _dists(6, n=4)
+    top = losses.log_probs(q_logits).topk(5, -1)
+    vocab = torch.tensor([6, 0, 3, 1])  # any order; some top-k tokens fall outside
+    full = losses.dense_from_topk(top.indices, top.values, V)
+    torch.testing.assert_close(losses.dense_from_topk(top.indices, top.values, V, vocab), full[:, vocab])

@@ -9,9 +9,10 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specpolicy.distill.stage import distil
+from specpolicy.errors import SpecPolicyError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PROMPTS = [f"Say {w} {i} times." for i, w in enumerate(["hi", "yes", "ok", "go", "a", "b", "c", "d"] * 2)]
@@ -105,3 +106,25 @@ def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
     b = AutoModelForCausalLM.from_pretrained(shared / "resumed" / "tiny" / "draft").state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+
+
+def test_draft_vocab_narrows_the_head_and_saves_a_standard_folder(shared):
+    cfg = _cfg(shared, "vocab", "draft.layers=[0,-1]", "distill.freeze_embeddings=true", "distill.draft_vocab=64")
+    distil(cfg)
+    m = _metrics(shared, "vocab")
+    assert m["draft_vocab"] == 64 and m["draft"].endswith("-vocab64")
+    assert m["after"]["loss"] < m["before"]["loss"]
+    folder = shared / "vocab" / "tiny" / "draft"
+    kept = json.loads((folder / "draft_vocab.json").read_text())["token_ids"]
+    assert len(kept) == 64 and set(AutoTokenizer.from_pretrained(folder).all_special_ids) <= set(kept)  # EOS & co.
+    draft = AutoModelForCausalLM.from_pretrained(folder)  # the full head, for assistant_model= and friends
+    assert draft.get_output_embeddings().weight.shape[0] == draft.config.vocab_size
+    from hydra.utils import instantiate
+
+    full = instantiate(cfg.draft).build(instantiate(cfg.target).load())  # the same draft with its full head
+    assert m["cost"]["flops_ratio"] < full.cost["flops_ratio"]
+
+
+def test_draft_vocab_with_trainable_embeddings_is_refused(shared):
+    with pytest.raises(SpecPolicyError, match="distill.draft_vocab needs distill.freeze_embeddings=true"):
+        distil(_cfg(shared, "vocab_bad", "distill.draft_vocab=64"))

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.vocab import SubsetHead
 
 log = logging.getLogger(__name__)
 SOURCES = ("target", "draft")
@@ -116,11 +117,13 @@ def score(target: PreTrainedModel, sequences: list[list[int]], prompt_lens: list
 
 
 def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits [N, V] at the positions of `loss_mask` only, in row-major order: the LM head over a
-    49k vocabulary is the largest matmul of a small draft, so it is not run on prompt tokens."""
+    """Logits at the positions of `loss_mask` only, in row-major order: [N, V], or [N, n] over the tokens
+    of a draft's `SubsetHead`. The LM head over a 49k vocabulary is the largest matmul of a small draft,
+    so it is not run on prompt tokens (nor, with a subset head, on tokens the draft never proposes)."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model wraps the HF one
     hidden = hf.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return hf.get_output_embeddings()(hidden[batch["loss_mask"]])  # [B, L, H] -> [N, H] -> [N, V]
+    head = hf.get_output_embeddings()
+    return (head.scores if isinstance(head, SubsetHead) else head)(hidden[batch["loss_mask"]])  # [N, H] -> [N, V|n]
 
 
 def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[str, torch.Tensor]:

@@ -53,15 +53,22 @@ def jsd(p_logp: Tensor, q_logp: Tensor, beta: float = 0.5) -> Tensor:
     return beta * _kl(q_logp, m_logp) + (1.0 - beta) * _kl(p_logp, m_logp)
 
 
-def dense_from_topk(topk_ids: Tensor, topk_logp: Tensor, vocab_size: int) -> Tensor:
+def dense_from_topk(topk_ids: Tensor, topk_logp: Tensor, vocab_size: int, vocab: Tensor | None = None) -> Tensor:
     """Full log-probabilities [N, V] from a cached top-k [N, k], the leftover mass spread evenly over the rest.
 
     Spreading the tail (rather than dropping it) keeps q > 0 everywhere, so reverse KL and JSD stay
-    finite, and leaves the top-k probabilities exactly as the target gave them.
+    finite, and leaves the top-k probabilities exactly as the target gave them. With `vocab` (the token
+    ids a draft's subset head scores, [n]) the columns are those tokens only, [N, n]: the same values,
+    restricted, not renormalised.
     """
     topk_logp = topk_logp.float()
     n, k = topk_ids.shape
     tail_mass = (1.0 - topk_logp.exp().sum(-1, keepdim=True)).clamp_min(1e-8)  # [N, 1]
     tail_logp = (tail_mass / max(vocab_size - k, 1)).log()
-    out = tail_logp.expand(n, vocab_size).clone()  # [N, V]
-    return out.scatter_(-1, topk_ids.long(), topk_logp)
+    width, cols = vocab_size, topk_ids.long()
+    if vocab is not None:  # each token's column in the subset; a spare column `width`, dropped, if outside
+        width = len(vocab)
+        column = torch.full((vocab_size,), width, dtype=torch.long, device=cols.device)
+        cols = column.index_copy_(0, vocab.to(cols.device), torch.arange(width, device=cols.device))[cols]
+    out = tail_logp.expand(n, width + 1).clone()  # [N, width + 1]
+    return out.scatter_(-1, cols, topk_logp)[:, :width]

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from specpolicy.distill.data import DistillData, collate_rows, masked_logits
 from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.vocab import subset_of
 
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p_logp [N, V], q_logp [N, V]) -> [N]
 
@@ -47,31 +48,41 @@ class DistillModule(LightningModule):
     def on_validation_start(self) -> None:
         self.target.to(self.device)
 
-    def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits [N, V] and target log-probs at temperature 1 [N, V], at the response positions."""
+    def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At the response positions: draft logits and target log-probs (temperature 1) over the tokens the
+        draft scores, [N, V] or [N, n] with a subset head (the target's restricted, not renormalised), and
+        the target's top-1 token [N]."""
         p_logits = masked_logits(self.draft, batch)
-        if "topk_ids" in batch:  # cached when the data was generated
-            return p_logits, dense_from_topk(batch["topk_ids"], batch["topk_logp"], p_logits.shape[-1])
+        vocab = subset_of(self.draft)
+        if "topk_ids" in batch:  # cached when the data was generated; top-k sorted, so column 0 is the argmax
+            q_logp = dense_from_topk(batch["topk_ids"], batch["topk_logp"], self.target.config.vocab_size, vocab)
+            return p_logits, q_logp, batch["topk_ids"][:, 0].long()
         with torch.no_grad():  # on the fly
-            return p_logits, log_probs(masked_logits(self.target, batch))
+            full = log_probs(masked_logits(self.target, batch))
+        return p_logits, full if vocab is None else full[:, vocab], full.argmax(-1)
 
     def _loss(self, p_logits: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
+        """Mean divergence over response tokens; the target renormalised over the draft's tokens at temperature
+        T (exact on the cached top-k, tail approximated)."""
         T = self.temperature
-        q_T = q_logp if T == 1.0 else torch.log_softmax(q_logp / T, -1)  # exact on top-k, tail approximated
-        return self.loss_fn(log_probs(p_logits, T), q_T).mean()  # mean over response tokens
+        return self.loss_fn(log_probs(p_logits, T), log_probs(q_logp, T)).mean()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(*self._distributions(batch))
+        p_logits, q_logp, _ = self._distributions(batch)
+        loss = self._loss(p_logits, q_logp)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        p_logits, q_logp = self._distributions(batch)
+        p_logits, q_logp, q_top1 = self._distributions(batch)
+        vocab = subset_of(self.draft)
+        p_top1 = p_logits.argmax(-1)
         n = p_logits.shape[0]
         values = {
             "loss": self._loss(p_logits, q_logp),
-            "agreement": (p_logits.argmax(-1) == q_logp.argmax(-1)).float().mean(),
-            "expected_acceptance": (1.0 - tvd(log_probs(p_logits), q_logp)).mean(),  # sampling at T = 1
+            "agreement": ((p_top1 if vocab is None else vocab[p_top1]) == q_top1).float().mean(),
+            # sampling at T = 1; p is 0 outside the draft's tokens, so the restricted q is the whole overlap
+            "expected_acceptance": (1.0 - tvd(log_probs(p_logits), q_logp)).mean(),
         }
         for name, value in values.items():  # token-weighted over the whole set, summed across ranks
             self.val_metrics[name].update(value, n)
@@ -142,6 +153,11 @@ class DistillDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         self._build()
+
+    def train_responses(self) -> list[list[int]]:
+        """The response tokens of the training rows (generated if missing): what a draft vocabulary is ranked by."""
+        rows = datasets.load_from_disk(str(self._build()["train"]))
+        return [ids[n:] for ids, n in zip(rows["input_ids"], rows["prompt_len"])]
 
     def setup(self, stage: str) -> None:
         self.sets = {k: datasets.load_from_disk(str(p)) for k, p in self._build().items()}

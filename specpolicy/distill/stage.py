@@ -22,7 +22,9 @@ from specpolicy.data import encode_prompts
 from specpolicy.distill.module import DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
+from specpolicy.models.draft import describe_cost
 from specpolicy.models.loading import save_model
+from specpolicy.models.vocab import VOCAB_FILE, frequent_tokens, restore_full_head, use_subset_head, vocab_file_text
 
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
@@ -41,8 +43,9 @@ def distil(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target).load()
     draft = instantiate(cfg.draft).build(target)
-    cost = draft.cost
     datamodule = _datamodule(cfg, target, draft)
+    vocab, full_head = _narrow_head(d, target, draft, datamodule)
+    cost = draft.cost
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
@@ -59,15 +62,40 @@ def distil(cfg: DictConfig) -> None:
     if not trainer.is_global_zero:
         return
     merged = model.merge_and_unload() if d.get("lora") else model
+    files = {}
+    if vocab is not None:  # save a standard HF folder with the full head, and the subset beside it
+        restore_full_head(merged, full_head)
+        files[VOCAB_FILE] = vocab_file_text(vocab)
     metrics = {"draft": draft.name, "target": target.name, "before": _val(before), "after": _val(after),
-               "cost": cost, "train_seconds": train_s, "steps": trainer.global_step,
+               "cost": cost, "draft_vocab": None if vocab is None else len(vocab), "train_seconds": train_s, "steps": trainer.global_step,
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
                "distill": OmegaConf.to_container(d, resolve=True)}
-    save_model(out, merged.eval(), target.tokenizer)
+    save_model(out, merged.eval(), target.tokenizer, files)
     _write_json(out / "metrics.json", metrics)
     log.info("distil: agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; saved %s",
              metrics["before"]["agreement"], metrics["after"]["agreement"], metrics["before"]["expected_acceptance"],
              metrics["after"]["expected_acceptance"], cost["flops_ratio"], train_s, out)
+
+
+def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule):
+    """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones most frequent in
+    the target's training responses (FR-Spec); returns (their ids, the full head to restore), else Nones."""
+    size = d.get("draft_vocab")
+    if not size:
+        return None, None
+    vocab_size = target.model.config.vocab_size
+    if not 0 < size <= vocab_size:
+        raise SpecPolicyError(f"distill.draft_vocab={size} must be between 1 and the vocabulary size {vocab_size}, "
+                              f"or null to keep the draft's full LM head")
+    if not d.freeze_embeddings:  # the subset head is a frozen copy of the full head's rows; both must stay as saved
+        raise SpecPolicyError("distill.draft_vocab needs distill.freeze_embeddings=true (the draft's embedding and "
+                              "head stay fixed so the saved full head still matches the subset it trained with)")
+    always = [i for i in target.tokenizer.all_special_ids if i < vocab_size]  # EOS and chat-template tokens
+    vocab = frequent_tokens(datamodule.train_responses(), size, vocab_size, always)
+    full_head = use_subset_head(draft.model, vocab)
+    draft.name += f"-vocab{size}"
+    draft.cost = describe_cost(target, draft)
+    return vocab, full_head
 
 
 def _trainable(model, d: DictConfig):

@@ -21,6 +21,7 @@ from specpolicy.cost.flops import FlopModel
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.compat import check_compatible
 from specpolicy.models.loading import LoadedModel, PretrainedSource
+from specpolicy.models.vocab import load_vocab, use_subset_head
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +77,18 @@ def _layer_prefix(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str:
 
 @dataclass
 class PretrainedDraft:
-    """A ready-made draft (e.g. a distilled one), checked against the target before use."""
+    """A ready-made draft (e.g. a distilled one), checked against the target before use; a `draft_vocab.json`
+    beside it (see `specpolicy.models.vocab`) narrows its LM head to the tokens listed there."""
 
     source: PretrainedSource
 
     def build(self, target: LoadedModel) -> LoadedModel:
         draft = self.source.load()
         check_compatible(target, draft)
+        vocab = load_vocab(self.source.path)  # a distilled draft may score only part of the vocabulary
+        if vocab is not None:
+            use_subset_head(draft.model, vocab)
+            draft.name += f"-vocab{len(vocab)}"
         draft.cost = describe_cost(target, draft)
         return draft
 

@@ -114,7 +114,7 @@ class PretrainedSource:
         # The dequantised model still carries the GGUF quantizer, and save_pretrained refuses it until cleared.
         model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
         model.config.__dict__.pop("quantization_config", None)
-        _save_atomically(out, model, tokenizer)
+        save_model(out, model, tokenizer)
         return out
 
 
@@ -134,22 +134,23 @@ def package_file(spec: str) -> Path:
     return path
 
 
-def _save_atomically(out: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Write to a temporary sibling and rename, so an interrupted save never leaves a half-written folder."""
+def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+               files: dict[str, str] | None = None) -> None:
+    """Save an HF folder (plus extra text `files`) to a temporary sibling and rename it into place, so an
+    interrupted save never leaves a half-written folder that a later stage would trust."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    _save_atomically(Path(out), model, tokenizer)
 
 
 def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -1,0 +1,85 @@
+"""A draft LM head over a frequency-ranked subset of the vocabulary (FR-Spec, Zhao et al. 2025).
+
+A small draft shares the target's 49k-row LM head, and that one matmul is ~0.2 of the target's per-token
+FLOPs on SmolLM2-135M: no draft that keeps it can cost less. Most of those rows are tokens the target
+hardly ever writes, so the draft scores only the `size` tokens most frequent in the target's own
+responses to the training prompts; the target still verifies over the full vocabulary, so decoding stays
+lossless, and a draft token outside the subset is simply never proposed.
+
+The subset is a property of how the draft runs, not of its weights: the saved draft folder is a standard
+HF model with its full head (so `AutoModelForCausalLM` and `assistant_model=` keep working) plus
+`draft_vocab.json`, which `PretrainedDraft` applies when it loads the folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+VOCAB_FILE = "draft_vocab.json"
+
+
+class SubsetHead(torch.nn.Module):
+    """Scores `token_ids` only; `forward` returns full-vocabulary logits (−inf elsewhere) so every caller,
+    from the decode engine to transformers' assisted generation, sees an ordinary LM head."""
+
+    def __init__(self, full_head: torch.nn.Module, token_ids: torch.Tensor):
+        super().__init__()
+        self.vocab_size = full_head.weight.shape[0]
+        self.weight = torch.nn.Parameter(full_head.weight.detach()[token_ids].clone(), requires_grad=False)
+        self.register_buffer("token_ids", token_ids.to(full_head.weight.device), persistent=False)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the subset, [..., size], in the order of `token_ids`."""
+        return hidden @ self.weight.T
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = self.scores(hidden)
+        full = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.token_ids, scores)
+
+
+def frequent_tokens(responses: Iterable[list[int]], size: int, vocab_size: int,
+                    always: Iterable[int] = ()) -> torch.Tensor:
+    """The `size` token ids the draft keeps: `always` (EOS, chat-template tokens) first, then by count in
+    `responses`, then by id (BPE merge order, a rough proxy for corpus frequency) to fill the rest."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {size} tokens must be in 1..{vocab_size}")
+    counts = Counter(t for r in responses for t in r)
+    ranked = list(dict.fromkeys([*always, *(t for t, _ in counts.most_common()), *range(vocab_size)]))
+    return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
+
+
+def use_subset_head(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.nn.Module:
+    """Swap `model`'s LM head for a `SubsetHead`; returns the full head, for `restore_full_head`."""
+    full = model.get_output_embeddings()
+    model.set_output_embeddings(SubsetHead(full, token_ids))
+    return full
+
+
+def restore_full_head(model: torch.nn.Module, full: torch.nn.Module) -> None:
+    """Put the full head back (before saving an HF folder). The subset head is frozen, so nothing is lost."""
+    model.set_output_embeddings(full)
+
+
+def subset_of(model: torch.nn.Module) -> torch.Tensor | None:
+    """The token ids a model's head scores, or None when it scores the whole vocabulary."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model wraps the HF one
+    head = hf.get_output_embeddings()
+    return head.token_ids if isinstance(head, SubsetHead) else None
+
+
+def vocab_file_text(token_ids: torch.Tensor) -> str:
+    return json.dumps({"token_ids": token_ids.tolist()})
+
+
+def load_vocab(folder: str | Path) -> torch.Tensor | None:
+    """The subset saved beside a draft, or None (a full-vocabulary draft, or a hub id)."""
+    path = Path(folder) / VOCAB_FILE
+    if not path.is_file():
+        return None
+    return torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long)
