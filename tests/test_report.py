@@ -103,7 +103,7 @@ def test_report_from_real_runs(real, tmp_path):
         assert ENGINE_KEYS <= run.keys(), ENGINE_KEYS - run.keys()
         assert FLOP_KEYS <= run["flops"].keys()
         assert all(isinstance(k, str) for k in run["depth_by_load"])  # as json writes int keys
-    assert report["lossless"] == {"checked": True, "mismatches": []}
+    assert report["lossless"] == {"checked": True, "exact": True, "mismatches": []}
 
     lines = (tmp_path / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == len(outputs) == 32
@@ -132,7 +132,7 @@ def test_greedy_mismatch_is_loud(tmp_path, temperature, loud):
     write_report(tmp_path, meta(temperature), runs, [])
 
     mismatch = {"policy": "static_k2", "batch_size": 4, "first_mismatch": 3}
-    assert read_json(tmp_path)["lossless"] == {"checked": loud, "mismatches": [mismatch] if loud else []}
+    assert read_json(tmp_path)["lossless"] == {"checked": loud, "exact": True, "mismatches": [mismatch] if loud else []}
     warning = "static_k2 at batch 4 differs from ar's, first at prompt 3"
     for doc in ("report.md", "report.html"):
         text = html.unescape((tmp_path / doc).read_text())
@@ -178,3 +178,14 @@ def test_wandb_offline(tmp_path, monkeypatch):
     (table,) = files.glob("media/table/eval/runs_*.table.json")
     assert json.loads(table.read_text())["columns"][:3] == ["batch_size", "policy", "tok/s"]
     assert {p.name.rsplit("_", 2)[0] for p in files.glob("media/images/eval/*.png")} == set(PLOTS)
+
+
+def test_bf16_reports_the_share_of_outputs_equal_to_ar_instead_of_a_violation(tmp_path):
+    runs = synthetic_runs()
+    bad = next(r for r in runs if r["policy"] == "static_k2" and r["batch_size"] == 4)
+    bad["first_mismatch"], bad["ar_match"] = 3, 0.75
+    write_report(tmp_path, {**meta(), "dtype": "bfloat16"}, runs, [])
+    assert read_json(tmp_path)["lossless"] == {"checked": True, "exact": False, "mismatches": []}
+    text = (tmp_path / "report.md").read_text()
+    assert "LOSSLESSNESS VIOLATED" not in text and "Reduced precision" in text
+    assert "| same as ar |" in text and "| 75% |" in text
