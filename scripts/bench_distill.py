@@ -68,16 +68,17 @@ def main() -> None:
 
 
 def _row(m: dict) -> dict:
-    return {"agreement_before": m["before"]["agreement"], "agreement_after": m["after"]["agreement"],
+    return {"draft_vocab": m.get("draft_vocab") or "all", "agreement_before": m["before"]["agreement"],
+            "agreement_after": m["after"]["agreement"],
             "acceptance_before": m["before"]["expected_acceptance"],
             "acceptance_after": m["after"]["expected_acceptance"], "c_flops": m["cost"]["flops_ratio"],
             "c_latency": m["cost"]["latency_ratio"], "train_s": m["train_seconds"], "steps": m["steps"]}
 
 
 def _markdown(rows: list[dict]) -> str:
-    head = ("| draft | loss | agreement before → after | expected acceptance before → after | c (FLOPs) "
-            "| c (latency) | steps | train time |\n|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['draft']} | {r['loss']} | {r['agreement_before']:.3f} → {r['agreement_after']:.3f} "
+    head = ("| draft | head vocab | loss | agreement before → after | expected acceptance before → after | c (FLOPs) "
+            "| c (latency) | steps | train time |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [f"| {r['draft']} | {r['draft_vocab']} | {r['loss']} | {r['agreement_before']:.3f} → {r['agreement_after']:.3f} "
              f"| {r['acceptance_before']:.3f} → {r['acceptance_after']:.3f} | {r['c_flops']:.3f} "
              f"| {r['c_latency']:.3f} | {r['steps']} | {r['train_s'] / 60:.1f} min |" for r in rows]
     return "\n".join([head, *lines])
