@@ -125,6 +125,13 @@ def test_draft_vocab_narrows_the_head_and_saves_a_standard_folder(shared):
     assert m["cost"]["flops_ratio"] < full.cost["flops_ratio"]
 
 
+def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):
+    distil(_cfg(shared, "bf16", "draft.layers=[0,-1]", "runtime.dtype=bfloat16", "trainer.max_steps=2",
+                "trainer.val_check_interval=2"))
+    config = json.loads((shared / "bf16" / "tiny" / "draft" / "config.json").read_text())
+    assert config["dtype"] == "float32"
+
+
 def test_draft_vocab_with_trainable_embeddings_is_refused(shared):
     with pytest.raises(SpecPolicyError, match="distill.draft_vocab needs distill.freeze_embeddings=true"):
         distil(_cfg(shared, "vocab_bad", "distill.draft_vocab=64"))

@@ -41,7 +41,7 @@ def distil(cfg: DictConfig) -> None:
     if cfg.trainer.get("max_steps", -1) <= 0:
         raise SpecPolicyError("distillation runs for a number of steps; set trainer.max_steps to a positive number")
     L.seed_everything(cfg.seed, workers=True)
-    target = instantiate(cfg.target).load()
+    target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
     draft = instantiate(cfg.draft).build(target)
     datamodule = _datamodule(cfg, target, draft)
     vocab, full_head = _narrow_head(d, target, draft, datamodule)
