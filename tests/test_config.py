@@ -41,6 +41,7 @@ def test_experiments_compose_and_resolve(name: str, experiment: str, tmp_path: P
     expected = REUSES.get(experiment, experiment)
     assert cfg.experiment_name == expected
     assert Path(cfg.paths.experiment_dir) == tmp_path / expected
+    assert instantiate(cfg.draft) is not None  # train builds a draft, evaluate loads the distilled one: both take it
 
 
 @pytest.mark.parametrize(
