@@ -58,7 +58,11 @@ def profile(cfg: DictConfig) -> None:
 
 def collect(cfg: DictConfig) -> None:
     """Decode training prompts at a fixed maximum depth for each batch size; one shard per batch size,
-    so an interrupted collection resumes at the next missing shard."""
+    so an interrupted collection resumes at the next missing shard.
+
+    The prompts are those after the first `distill.data.train_prompts`, which the draft was distilled on:
+    there it is at its most confident and most often right, and a head trained on that would expect more
+    than the draft delivers on new prompts."""
     out = Path(cfg.paths.experiment_dir) / "rollouts"
     if (out / "dataset_info.json").exists():
         log.info("collect: %s exists, skipping", out)
@@ -66,7 +70,7 @@ def collect(cfg: DictConfig) -> None:
     target, draft = load_pair(cfg, cfg.trained_draft)
     c = cfg.collect
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
-    conversations = instantiate(cfg.data, split="train").load()
+    conversations = _unseen_by_draft(cfg, instantiate(cfg.data, split="train").load())
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
     shards = out.with_name("rollouts_shards")
     for bs in tqdm(list(c.batch_sizes), desc="collect (batch sizes)"):
@@ -82,6 +86,17 @@ def collect(cfg: DictConfig) -> None:
     _save(datasets.concatenate_datasets(parts), out)
     shutil.rmtree(shards)
     log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
+
+
+def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
+    seen = cfg.distill.data.train_prompts
+    needed = max(max(bs, cfg.collect.min_prompts_per_size) for bs in cfg.collect.batch_sizes)
+    if seen is not None and len(conversations) - seen >= needed:
+        return conversations[seen:]
+    log.warning("collect: fewer than %d train prompts are left after the %s the draft was distilled on; the "
+                "rollouts reuse distillation prompts, where the draft is more often right than on new ones "
+                "(lower distill.data.train_prompts to keep some apart)", needed, seen if seen is not None else "all")
+    return conversations
 
 
 def head(cfg: DictConfig) -> None:
