@@ -36,12 +36,14 @@ def test_frequent_tokens_ranks_always_then_counts_then_ids():
 
 
 def test_subset_head_scores_its_tokens_only_and_costs_only_their_rows(target):
-    draft = LayerSubsetDraft(layers=[0, -1]).build(target).model
+    built = LayerSubsetDraft(layers=[0, -1]).build(target)
+    draft = built.model
     ids = torch.tensor([[5, 6, 7, 8]])
     full_logits = draft(ids).logits
     flops_full = FlopModel.from_model(draft).per_token(0)
     vocab = torch.tensor([2, 5, 40, 41, 200])
-    full_head = use_subset_head(draft, vocab)
+    full_head = use_subset_head(built, vocab)
+    assert built.name.endswith("-vocab5")
     logits = draft(ids).logits
     assert logits.shape == full_logits.shape
     torch.testing.assert_close(logits[..., vocab], full_logits[..., vocab])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -45,7 +44,6 @@ def distil(cfg: DictConfig) -> None:
     draft = instantiate(cfg.draft).build(target)
     datamodule = _datamodule(cfg, target, draft)
     vocab, full_head = _narrow_head(d, target, draft, datamodule)
-    cost = draft.cost
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
@@ -62,19 +60,19 @@ def distil(cfg: DictConfig) -> None:
     if not trainer.is_global_zero:
         return
     merged = model.merge_and_unload() if d.get("lora") else model
-    files = {}
-    if vocab is not None:  # save a standard HF folder with the full head, and the subset beside it
-        restore_full_head(merged, full_head)
-        files[VOCAB_FILE] = vocab_file_text(vocab)
     metrics = {"draft": draft.name, "target": target.name, "before": _val(before), "after": _val(after),
-               "cost": cost, "draft_vocab": None if vocab is None else len(vocab), "train_seconds": train_s, "steps": trainer.global_step,
+               "cost": draft.cost, "draft_vocab": None if vocab is None else len(vocab), "train_seconds": train_s,
+               "steps": trainer.global_step,
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
                "distill": OmegaConf.to_container(d, resolve=True)}
+    files = {"metrics.json": json.dumps(metrics, indent=2)}  # written with the folder, in one atomic save
+    if vocab is not None:  # a standard HF folder with the full head, and the subset beside it
+        restore_full_head(merged, full_head)
+        files[VOCAB_FILE] = vocab_file_text(vocab)
     save_model(out, merged.eval(), target.tokenizer, files)
-    _write_json(out / "metrics.json", metrics)
     log.info("distil: agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; saved %s",
              metrics["before"]["agreement"], metrics["after"]["agreement"], metrics["before"]["expected_acceptance"],
-             metrics["after"]["expected_acceptance"], cost["flops_ratio"], train_s, out)
+             metrics["after"]["expected_acceptance"], draft.cost["flops_ratio"], train_s, out)
 
 
 def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule):
@@ -92,8 +90,7 @@ def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamod
                               "head stay fixed so the saved full head still matches the subset it trained with)")
     always = [i for i in target.tokenizer.all_special_ids if i < vocab_size]  # EOS and chat-template tokens
     vocab = frequent_tokens(datamodule.train_responses(), size, vocab_size, always)
-    full_head = use_subset_head(draft.model, vocab)
-    draft.name += f"-vocab{size}"
+    full_head = use_subset_head(draft, vocab)
     draft.cost = describe_cost(target, draft)
     return vocab, full_head
 
@@ -143,9 +140,3 @@ def _trainer(cfg: DictConfig) -> L.Trainer:
 
 def _val(metrics: dict[str, float]) -> dict[str, float]:
     return {k.removeprefix("val/"): float(v) for k, v in metrics.items()}
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)

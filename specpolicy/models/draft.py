@@ -87,8 +87,7 @@ class PretrainedDraft:
         check_compatible(target, draft)
         vocab = load_vocab(self.source.path)  # a distilled draft may score only part of the vocabulary
         if vocab is not None:
-            use_subset_head(draft.model, vocab)
-            draft.name += f"-vocab{len(vocab)}"
+            use_subset_head(draft, vocab)
         draft.cost = describe_cost(target, draft)
         return draft
 

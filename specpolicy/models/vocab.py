@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from specpolicy.models.loading import LoadedModel
+
 VOCAB_FILE = "draft_vocab.json"
 
 
@@ -54,10 +56,12 @@ def frequent_tokens(responses: Iterable[list[int]], size: int, vocab_size: int,
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
-def use_subset_head(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.nn.Module:
-    """Swap `model`'s LM head for a `SubsetHead`; returns the full head, for `restore_full_head`."""
-    full = model.get_output_embeddings()
-    model.set_output_embeddings(SubsetHead(full, token_ids))
+def use_subset_head(draft: LoadedModel, token_ids: torch.Tensor) -> torch.nn.Module:
+    """Swap the draft's LM head for a `SubsetHead` and say so in its name; returns the full head, for
+    `restore_full_head`."""
+    full = draft.model.get_output_embeddings()
+    draft.model.set_output_embeddings(SubsetHead(full, token_ids))
+    draft.name += f"-vocab{len(token_ids)}"
     return full
 
 
