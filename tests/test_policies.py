@@ -61,6 +61,25 @@ def test_mean_depth_falls_with_load_and_reaches_zero(tiny_model, tmp_path: Path,
     assert depth[64] == 0
 
 
+def test_one_confident_row_does_not_widen_a_busy_batch() -> None:
+    """The verify pass is as wide as the deepest row, so the batch decides: one confident row drafts on
+    alone, but not among 15 hopeless rows whose every token would then cost a wider step."""
+    policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=6, prior=0.9)
+
+    def keeps(top1: list[float]) -> torch.Tensor:
+        rows = len(top1)
+        policy.reset(rows)
+        state = StepState(torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows, rows * 64)
+        assert int(policy.budget(state).min()) > 0
+        features = torch.zeros(rows, len(FEATURE_NAMES))
+        features[:, COLUMN["top1"]] = torch.tensor(top1)
+        return policy.keep(features, torch.zeros(rows, dtype=torch.long), state, 1)
+
+    assert keeps([0.99]).all()
+    assert keeps([0.99] * 16).all()
+    assert not keeps([0.99] + [0.05] * 15).any()
+
+
 def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
     """Through the engine: at batch 1 a row that keeps being accepted learns to draft deep; at batch 64 no
     row drafts at all (not even the first draft forward)."""

@@ -26,6 +26,7 @@ class CostModel:
         self._log_rows = np.log2(np.asarray(profile.rows, dtype=float))
         self._tokens = np.asarray(profile.tokens, dtype=float)
         self._grids = {"target": np.asarray(profile.target_ms), "draft": np.asarray(profile.draft_ms)}
+        self._steps: dict[tuple[float, int], float] = {}  # policies ask every decode step: keep it off the clock
 
     def forward_ms(self, model: str, rows: float, tokens: float) -> float:
         grid = self._grids[model]
@@ -34,9 +35,11 @@ class CostModel:
         return float(np.interp(x, self._log_rows, per_rows))
 
     def step_ms(self, rows: float, depth: int) -> float:
-        if depth == 0:
-            return self.forward_ms("target", rows, 1)
-        return depth * self.forward_ms("draft", rows, 1) + self.forward_ms("target", rows, depth + 1)
+        key = (rows, depth)
+        if key not in self._steps:
+            draft = depth * self.forward_ms("draft", rows, 1) if depth else 0.0
+            self._steps[key] = draft + self.forward_ms("target", rows, depth + 1)
+        return self._steps[key]
 
     def goodput(self, rows: float, depth: int, expected_tokens: float) -> float:
         """Tokens per second for `rows` rows keeping `expected_tokens` each per step (bonus included)."""

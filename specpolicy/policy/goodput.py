@@ -1,23 +1,28 @@
-"""Goodput-maximising depth: keep drafting a row while one more token is expected to raise the row's
+"""Goodput-maximising depth: keep drafting while one more token is expected to raise the batch's
 tokens per second under the cost model (in the spirit of SmartSpec, Liu et al. 2024).
 
-At position i a row that expects E tokens from this step (bonus included) and would add c_i (the
-probability that all of its drafts up to i are accepted) keeps drafting iff
+A step's time is shared: the verify pass is one forward as wide as the deepest row, and every draft
+forward reads every row. So depth is an economic decision for the batch, made from each row's own
+acceptance estimate: at position i, with the rows expecting E tokens in all from this step (bonus
+included) and c_i more from position i (the sum over rows of the probability that all of a row's drafts
+up to i are accepted), the batch keeps drafting iff
 
     (E + c_i) / T(rows, i)  >  E / T(rows, i - 1)
 
-where T is the cost model's step time at the current load. Acceptance estimates come from an
-`estimator`: the draft's own top-1 probability (`goodput`), or the trained depth head (`learned`).
-One mechanism, two estimators.
+where T is the cost model's step time at the current load. Deciding per row instead (E and c of one
+row) lets one confident row among 32 widen the verify pass for all of them (with that rule, `learned`
+drafted 0.15 tokens per row-step at batch 32 and ran at 0.73x of plain decoding). Acceptance estimates come from an `estimator`:
+the draft's own top-1 probability (`goodput`), or the trained depth head (`learned`). One mechanism,
+two estimators.
 
-Before drafting, each row's budget (the "draft at all" decision, which must not cost a draft
-forward) is the depth that maximises goodput, sum_i alpha^i tokens per T(rows, k), at the row's
-estimated per-token acceptance alpha: a Beta-Bernoulli mean over the tokens it has had verified,
-starting from `prior` (the learned policy takes it from its rollouts) with the weight of `strength`
-tokens. Evidence fades by `memory` per step, so an estimate from long ago grows uncertain again. A
-row whose estimate says depth 0 drafts one token only when an optimistic estimate (`optimism`
-standard deviations above the mean) says drafting could pay: a hopeless draft at this load costs
-nothing, a row near the break-even point keeps checking, and no probing schedule is needed.
+Before drafting, the batch's budget (the "draft at all" decision, which must not cost a draft
+forward) is the depth that maximises goodput, sum over rows and i of alpha_r^i tokens per T(rows, k),
+at each row's estimated per-token acceptance alpha_r: a Beta-Bernoulli mean over the tokens it has had
+verified, starting from `prior` (the learned policy takes it from its rollouts) with the weight of
+`strength` tokens. Evidence fades by `memory` per step, so an estimate from long ago grows uncertain
+again. When the estimates say depth 0, the batch drafts one token only if optimistic estimates
+(`optimism` standard deviations above the mean) say drafting could pay: a hopeless draft at this load
+costs nothing, a batch near the break-even point keeps checking, and no probing schedule is needed.
 """
 
 from __future__ import annotations
@@ -87,22 +92,23 @@ class GoodputPolicy(DepthPolicy):
         self._accepted[rows] *= self.memory
         self._verified[rows] *= self.memory
         cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
-        if cap == 0:
-            self._budget = torch.zeros(len(rows), dtype=torch.long)
-            return torch.zeros_like(state.generated)
-        n = self._verified[rows] + self.strength
-        alpha = (self._accepted[rows] + self.strength * self.prior) / n
-        hopeful = (alpha + self.optimism * (alpha * (1 - alpha) / n).sqrt()).clamp(max=1)
-        best = self._best_depth(torch.stack([alpha, hopeful]), state.rows, cap)
-        self._budget = torch.where(best[0] > 0, best[0], best[1].clamp(max=1))
+        depth = 0
+        if cap:
+            n = self._verified[rows] + self.strength
+            alpha = (self._accepted[rows] + self.strength * self.prior) / n
+            depth = self._best_depth(alpha, state.rows, cap)
+            if not depth:
+                hopeful = (alpha + self.optimism * (alpha * (1 - alpha) / n).sqrt()).clamp(max=1)
+                depth = min(self._best_depth(hopeful, state.rows, cap), 1)
+        self._budget = torch.full((len(rows),), depth, dtype=torch.long)
         return self._budget.to(state.generated.device)
 
-    def _best_depth(self, alpha: torch.Tensor, rows: int, cap: int) -> torch.Tensor:
-        """The goodput-maximising depth <= cap for each per-token acceptance in `alpha` [...]."""
+    def _best_depth(self, alpha: torch.Tensor, rows: int, cap: int) -> int:
+        """The depth <= cap that maximises the batch's goodput when row r accepts each draft with alpha[r]."""
         depths = torch.arange(cap + 1)
         step_ms = torch.tensor([self.cost.step_ms(rows, int(d)) for d in depths], dtype=torch.float64)
-        expected = (alpha[..., None] ** depths).cumsum(-1)  # tokens per step at each depth, bonus included
-        return (expected / step_ms).argmax(-1)
+        expected = (alpha[:, None] ** depths).cumsum(-1).sum(0)  # tokens the batch keeps per step, bonus included
+        return int((expected / step_ms).argmax())
 
     def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """Per-token evidence of this step: `accepted` successes, then one failure if the row stopped at a
@@ -117,9 +123,10 @@ class GoodputPolicy(DepthPolicy):
         if position == 1:
             self._expected = torch.ones(features.shape[0], device=features.device)  # the bonus token
             self._reach = torch.ones_like(self._expected)
-        self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted)
+        self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted), per row
         before = self.cost.step_ms(state.rows, position - 1)
         after = self.cost.step_ms(state.rows, position)
-        keep = (self._expected + self._reach) * before > self._expected * after
+        expected, gain = self._expected.sum(), self._reach.sum()
+        keep = (expected + gain) * before > expected * after
         self._expected = self._expected + self._reach * keep
-        return keep
+        return keep.expand(features.shape[0])
