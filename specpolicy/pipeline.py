@@ -62,7 +62,7 @@ def evaluate(cfg: DictConfig) -> None:
         log.info("evaluate: batch size %d, %d policies, %d prompts", bs, len(policies), len(prompts))
         # side_by_side warms up at every batch size: when it warmed up only at the first, `ar` (first in the
         # only batch at batch 32) measured 57 tok/s against 72-79 tok/s for policies doing the same work
-        runs = side_by_side(engine, prompts, policies, bs)
+        runs = side_by_side(engine, prompts, policies, bs, cfg.eval.repeats)
         rows += summarise(runs) + hf_rows(cfg, engine, target, draft, prompts, bs, runs["ar"].summary(None))
         outputs += [{"policy": name, "batch_size": bs, "prompt_index": i, "prompt_ids": prompts[i], "output_ids": out,
                      "text": target.tokenizer.decode(out, skip_special_tokens=True)}

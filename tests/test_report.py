@@ -15,7 +15,7 @@ import torch
 from specpolicy.decode import Engine
 from specpolicy.eval import report
 from specpolicy.eval.report import write_report
-from specpolicy.eval.runner import side_by_side, summarise
+from specpolicy.eval.runner import _order, side_by_side, summarise
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -85,6 +85,24 @@ def real(tiny_model) -> tuple[list[dict], list[dict]]:
                      "text": model.tokenizer.decode(out)}
                     for name, run in by_policy.items() for i, out in enumerate(run.outputs)]
     return runs, outputs
+
+
+def test_policy_order_rotates_with_the_oracle_last() -> None:
+    policies = {"oracle": OraclePolicy(k=4), "ar": ArPolicy(), "static_k2": StaticPolicy(k=2),
+                "confidence": ConfidencePolicy(k=4, threshold=0.25)}
+    orders = [_order(policies, shift) for shift in range(4)]
+    assert [order[0] for order in orders] == ["ar", "static_k2", "confidence", "ar"]
+    assert all(order[-1] == "oracle" and sorted(order) == sorted(policies) for order in orders)
+
+
+def test_repeats_time_every_batch_again_and_keep_one_output_per_prompt(tiny_model) -> None:
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=4)
+    policies = {"oracle": OraclePolicy(k=2), "static_k1": StaticPolicy(k=1), "ar": ArPolicy()}
+    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9, 10, 11]], policies, 2, repeats=3)
+    assert list(runs)[0] == "ar"
+    assert all(len(run.stats) == 6 and len(run.outputs) == 3 for run in runs.values())
+    assert all(row["first_mismatch"] is None for row in summarise(runs))
 
 
 def read_json(out: Path) -> dict:

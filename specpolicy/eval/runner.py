@@ -1,6 +1,7 @@
 """Run several depth policies side by side on the same prompts and batches, as gpt-fast measures:
 warm-up outside the timed region, device-synchronised timing (inside the engine), policies interleaved
-batch by batch so machine noise hits all of them alike, and speedup as a ratio of totals."""
+batch by batch in an order that rotates from batch to batch and pass to pass, so machine noise and
+drift hit all of them alike, and speedup as a ratio of totals."""
 
 from __future__ import annotations
 
@@ -47,23 +48,35 @@ class PolicyRun:
 
 
 def side_by_side(
-    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int
+    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int, repeats: int = 1
 ) -> dict[str, PolicyRun]:
-    """Decode `prompts` in batches of `batch_size` with every policy; `ar` first in each batch (it is the
-    reference for speedup, for losslessness checks and for the oracle)."""
-    names = sorted(policies, key=lambda n: n != "ar")
-    runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policies[name], OraclePolicy),
-                            kind=type(policies[name]).__name__) for name in names}
+    """Decode `prompts` in batches of `batch_size` with every policy, `repeats` timed passes (outputs are
+    kept from the first). A policy that always ran first would take the machine's drifts alone (`ar`, first
+    in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so the order rotates."""
+    if repeats < 1:
+        raise SpecPolicyError(f"eval.repeats must be >= 1, got {repeats}")
+    runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policy, OraclePolicy), kind=type(policy).__name__)
+            for name, policy in sorted(policies.items(), key=lambda item: item[0] != "ar")}  # reports list ar first
     # warm-up, untimed, at every batch size (allocator, kernels, caches): every policy runs the first batch once
-    _decode_batch(engine, prompts[:batch_size], policies, names, {n: PolicyRun(n, batch_size) for n in names})
-    for start in tqdm(range(0, len(prompts), batch_size), desc=f"batch size {batch_size} ({len(names)} policies)",
-                      unit="batch"):
-        _decode_batch(engine, prompts[start : start + batch_size], policies, names, runs)
+    _decode_batch(engine, prompts[:batch_size], policies, _order(policies, 0), {n: PolicyRun(n, batch_size) for n in runs})
+    starts = range(0, len(prompts), batch_size)
+    for rep in range(repeats):
+        for i, start in enumerate(tqdm(starts, desc=f"batch size {batch_size} ({len(runs)} policies, pass {rep + 1}"
+                                                    f"/{repeats})", unit="batch")):
+            _decode_batch(engine, prompts[start : start + batch_size], policies, _order(policies, rep + i), runs,
+                          keep_outputs=rep == 0)
     return runs
 
 
+def _order(policies: dict[str, DepthPolicy], shift: int) -> list[str]:
+    """The policies rotated by `shift`; those that need `ar`'s outputs of the batch (the oracle) last."""
+    plain = [name for name, policy in policies.items() if not isinstance(policy, OraclePolicy)]
+    shift %= max(len(plain), 1)
+    return plain[shift:] + plain[:shift] + [name for name in policies if name not in plain]
+
+
 def _decode_batch(engine: Engine, batch: list[list[int]], policies: dict[str, DepthPolicy], names: list[str],
-                  runs: dict[str, PolicyRun]) -> None:
+                  runs: dict[str, PolicyRun], keep_outputs: bool = True) -> None:
     reference: list[list[int]] = []
     for name in names:
         policy = policies[name]
@@ -74,7 +87,8 @@ def _decode_batch(engine: Engine, batch: list[list[int]], policies: dict[str, De
         result = engine.generate(batch, policy)
         reference = result.outputs if name == "ar" else reference
         runs[name].stats.append(result.stats)
-        runs[name].outputs.extend(result.outputs)
+        if keep_outputs:
+            runs[name].outputs.extend(result.outputs)
 
 
 def summarise(runs: dict[str, PolicyRun]) -> list[dict]:
