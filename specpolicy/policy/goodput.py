@@ -11,9 +11,9 @@ up to i are accepted), the batch keeps drafting iff
 
 where T is the cost model's step time at the current load. Deciding per row instead (E and c of one
 row) lets one confident row among 32 widen the verify pass for all of them (with that rule, `learned`
-drafted 0.15 tokens per row-step at batch 32 and ran at 0.73x of plain decoding). Acceptance estimates come from an `estimator`:
-the draft's own top-1 probability (`goodput`), or the trained depth head (`learned`). One mechanism,
-two estimators.
+drafted 0.15 tokens per row-step at batch 32 and ran at 0.73x of plain decoding). Acceptance estimates
+come from an `estimator`: the draft's own top-1 probability (`goodput`), or the trained depth head
+(`learned`). One mechanism, two estimators.
 
 Before drafting, the batch's budget (the "draft at all" decision, which must not cost a draft
 forward) is the depth that maximises goodput, sum over rows and i of alpha_r^i tokens per T(rows, k),
@@ -121,12 +121,12 @@ class GoodputPolicy(DepthPolicy):
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         if position == 1:
-            self._expected = torch.ones(features.shape[0], device=features.device)  # the bonus token
-            self._reach = torch.ones_like(self._expected)
+            self._expected = features.new_tensor(float(features.shape[0]))  # the batch's bonus tokens
+            self._reach = torch.ones(features.shape[0], device=features.device)
         self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted), per row
         before = self.cost.step_ms(state.rows, position - 1)
         after = self.cost.step_ms(state.rows, position)
-        expected, gain = self._expected.sum(), self._reach.sum()
-        keep = (expected + gain) * before > expected * after
-        self._expected = self._expected + self._reach * keep
+        gain = self._reach.sum()
+        keep = (self._expected + gain) * before > self._expected * after
+        self._expected = self._expected + gain * keep
         return keep.expand(features.shape[0])
