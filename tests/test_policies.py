@@ -80,6 +80,25 @@ def test_one_confident_row_does_not_widen_a_busy_batch() -> None:
     assert not keeps([0.99] + [0.05] * 15).any()
 
 
+def test_a_drafted_token_is_judged_on_what_verifying_it_costs() -> None:
+    """The draft forward behind x_1 is paid whether or not x_1 is verified: at batch 1 (V(1) = 32 ms,
+    V(2) = 34 ms, D = 9.6 ms) a token accepted 1 time in 5 is worth verifying when the budget ends there,
+    and not when keeping it also pays the draft forward for x_2 (stop at 0.36 with the sunk forward
+    left out; 0.05 and 0.28 with it in)."""
+
+    def keeps(k: int, top1: float) -> bool:
+        policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=k, prior=0.9)
+        policy.reset(1)
+        state = StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64)
+        assert int(policy.budget(state)) == k
+        features = torch.zeros(1, len(FEATURE_NAMES))
+        features[:, COLUMN["top1"]] = top1
+        return bool(policy.keep(features, torch.zeros(1, dtype=torch.long), state, 1))
+
+    assert keeps(1, 0.2) and not keeps(1, 0.03)
+    assert not keeps(3, 0.2) and keeps(3, 0.35)
+
+
 def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
     """Through the engine: at batch 1 a row that keeps being accepted learns to draft deep; at batch 64 no
     row drafts at all (not even the first draft forward)."""

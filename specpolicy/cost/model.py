@@ -26,20 +26,18 @@ class CostModel:
         self._log_rows = np.log2(np.asarray(profile.rows, dtype=float))
         self._tokens = np.asarray(profile.tokens, dtype=float)
         self._grids = {"target": np.asarray(profile.target_ms), "draft": np.asarray(profile.draft_ms)}
-        self._steps: dict[tuple[float, int], float] = {}  # policies ask every decode step: keep it off the clock
+        self._known: dict[tuple[str, float, float], float] = {}  # policies ask every decode step: keep it off the clock
 
     def forward_ms(self, model: str, rows: float, tokens: float) -> float:
-        grid = self._grids[model]
-        x = math.log2(max(rows, 1))
-        per_rows = [np.interp(tokens, self._tokens, grid[i]) for i in range(len(self._log_rows))]
-        return float(np.interp(x, self._log_rows, per_rows))
+        key = (model, rows, tokens)
+        if key not in self._known:
+            grid = self._grids[model]
+            per_rows = [np.interp(tokens, self._tokens, grid[i]) for i in range(len(self._log_rows))]
+            self._known[key] = float(np.interp(math.log2(max(rows, 1)), self._log_rows, per_rows))
+        return self._known[key]
 
     def step_ms(self, rows: float, depth: int) -> float:
-        key = (rows, depth)
-        if key not in self._steps:
-            draft = depth * self.forward_ms("draft", rows, 1) if depth else 0.0
-            self._steps[key] = draft + self.forward_ms("target", rows, depth + 1)
-        return self._steps[key]
+        return depth * self.forward_ms("draft", rows, 1) + self.forward_ms("target", rows, depth + 1)
 
     def goodput(self, rows: float, depth: int, expected_tokens: float) -> float:
         """Tokens per second for `rows` rows keeping `expected_tokens` each per step (bonus included)."""
