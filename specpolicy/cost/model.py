@@ -26,7 +26,7 @@ class CostModel:
         self._log_rows = np.log2(np.asarray(profile.rows, dtype=float))
         self._tokens = np.asarray(profile.tokens, dtype=float)
         self._grids = {"target": np.asarray(profile.target_ms), "draft": np.asarray(profile.draft_ms)}
-        self._known: dict[tuple[str, float, float], float] = {}  # policies ask every decode step: keep it off the clock
+        self._known: dict[tuple, float | int | np.ndarray] = {}  # policies ask every decode step: keep it off the clock
 
     def forward_ms(self, model: str, rows: float, tokens: float) -> float:
         key = (model, rows, tokens)
@@ -39,6 +39,13 @@ class CostModel:
     def step_ms(self, rows: float, depth: int) -> float:
         return depth * self.forward_ms("draft", rows, 1) + self.forward_ms("target", rows, depth + 1)
 
+    def step_times(self, rows: float, depth: int) -> np.ndarray:
+        """step_ms for depths 0..depth, as one array."""
+        key = ("steps", rows, depth)
+        if key not in self._known:
+            self._known[key] = np.array([self.step_ms(rows, d) for d in range(depth + 1)])
+        return self._known[key]
+
     def goodput(self, rows: float, depth: int, expected_tokens: float) -> float:
         """Tokens per second for `rows` rows keeping `expected_tokens` each per step (bonus included)."""
         return rows * expected_tokens / self.step_ms(rows, depth) * 1e3
@@ -46,7 +53,10 @@ class CostModel:
     def max_useful_depth(self, rows: float, limit: int) -> int:
         """The deepest depth that could still pay with every draft accepted: beyond it, even perfect
         acceptance loses goodput, so drafting that deep (or at all, if 0) is waste at this load."""
-        depth = 0
-        while depth < limit and self.goodput(rows, depth + 1, depth + 2) > self.goodput(rows, depth, depth + 1):
-            depth += 1
-        return depth
+        key = ("cap", rows, limit)
+        if key not in self._known:
+            depth = 0
+            while depth < limit and self.goodput(rows, depth + 1, depth + 2) > self.goodput(rows, depth, depth + 1):
+                depth += 1
+            self._known[key] = depth
+        return self._known[key]

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specpolicy.cost.model import CostModel
@@ -66,7 +67,8 @@ class HeadEstimator:
         return self.head.config.prior
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
-        self.head.to(features.device)
+        if self.head.index.device != features.device:
+            self.head.to(features.device)
         return torch.sigmoid(self.head(features))
 
 
@@ -85,15 +87,16 @@ class GoodputPolicy(DepthPolicy):
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
         self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
         self.strength, self.memory, self.optimism = strength, memory, optimism
-        self._expected = self._reach = self._accepted = self._verified = self._budget = torch.empty(0)
+        self._expected, self._reach = 0.0, torch.empty(0)
+        self._accepted = self._verified = np.zeros(0)  # per-row evidence, on the host: a few rows, every step
         self._depth = 0  # this step's budget: keeping a token short of it commits to one more draft forward
 
     def reset(self, batch_size: int) -> None:
-        self._accepted = torch.zeros(batch_size, dtype=torch.float64)  # faded counts of accepted draft tokens
-        self._verified = torch.zeros(batch_size, dtype=torch.float64)  # ... and of draft tokens verified
+        self._accepted = np.zeros(batch_size)  # faded counts of accepted draft tokens
+        self._verified = np.zeros(batch_size)  # ... and of draft tokens verified
 
     def budget(self, state: StepState) -> torch.Tensor:
-        rows = state.row_ids.cpu()
+        rows = state.row_ids.cpu().numpy()
         self._accepted[rows] *= self.memory
         self._verified[rows] *= self.memory
         cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
@@ -103,31 +106,28 @@ class GoodputPolicy(DepthPolicy):
             alpha = (self._accepted[rows] + self.strength * self.prior) / n
             depth = self._best_depth(alpha, state.rows, cap)
             if not depth:
-                hopeful = (alpha + self.optimism * (alpha * (1 - alpha) / n).sqrt()).clamp(max=1)
+                hopeful = np.minimum(alpha + self.optimism * np.sqrt(alpha * (1 - alpha) / n), 1.0)
                 depth = min(self._best_depth(hopeful, state.rows, cap), 1)
-        self._budget = torch.full((len(rows),), depth, dtype=torch.long)
         self._depth = depth
-        return self._budget.to(state.generated.device)
+        return torch.full_like(state.generated, depth)
 
-    def _best_depth(self, alpha: torch.Tensor, rows: int, cap: int) -> int:
+    def _best_depth(self, alpha: np.ndarray, rows: int, cap: int) -> int:
         """The depth <= cap that maximises the batch's goodput when row r accepts each draft with alpha[r]."""
-        depths = torch.arange(cap + 1)
-        step_ms = torch.tensor([self.cost.step_ms(rows, int(d)) for d in depths], dtype=torch.float64)
-        expected = (alpha[:, None] ** depths).cumsum(-1).sum(0)  # tokens the batch keeps per step, bonus included
-        return int((expected / step_ms).argmax())
+        expected = (alpha[:, None] ** np.arange(cap + 1)).cumsum(-1).sum(0)  # tokens kept per step, bonus included
+        return int(np.argmax(expected / self.cost.step_times(rows, cap)))
 
     def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """Per-token evidence of this step: `accepted` successes, then one failure if the row stopped at a
         rejection (accepted < drafted), or if it paid a draft forward and `keep` kept nothing (a row that
         drafts only to be stopped at position 1 gains nothing, and must learn that too)."""
-        rows, drafted, accepted = state.row_ids.cpu(), drafted.cpu().double(), accepted.cpu().double()
-        wasted = (self._budget > 0) & (drafted == 0)
+        rows, drafted, accepted = state.row_ids.cpu().numpy(), drafted.cpu().numpy(), accepted.cpu().numpy()
+        wasted = (self._depth > 0) & (drafted == 0)
         self._accepted[rows] += accepted
-        self._verified[rows] += accepted + ((accepted < drafted) | wasted).double()
+        self._verified[rows] += accepted + ((accepted < drafted) | wasted)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         if position == 1:
-            self._expected = features.new_tensor(float(features.shape[0]))  # the batch's bonus tokens
+            self._expected = float(features.shape[0])  # the batch's bonus tokens
             self._reach = torch.ones(features.shape[0], device=features.device)
         self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted), per row
         draft = self.cost.forward_ms("draft", state.rows, 1)
@@ -136,7 +136,8 @@ class GoodputPolicy(DepthPolicy):
         go = paid + self.cost.forward_ms("target", state.rows, position + 1)
         if position < self._depth:  # a kept x_i goes through the draft for x_{i+1}
             go += draft
-        gain = self._reach.sum()
+        gain = float(self._reach.sum())
         keep = (self._expected + gain) * stop > self._expected * go
-        self._expected = self._expected + gain * keep
-        return keep.expand(features.shape[0])
+        if keep:
+            self._expected += gain
+        return torch.full((features.shape[0],), keep, device=features.device)

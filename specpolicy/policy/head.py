@@ -30,18 +30,19 @@ class DepthHead(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
-        self.index = [COLUMN[name] for name in config.features]
-        dims = [len(self.index)] + [config.hidden] * config.layers
+        # built once, not per call: the policy asks at every draft position (non-persistent: not in head.pt)
+        self.register_buffer("index", torch.tensor([COLUMN[name] for name in config.features]), persistent=False)
+        # counts go on a log scale so one head spans batch 1 and batch 64
+        counts = [name in ("position", "rows", "tokens") for name in config.features]
+        self.register_buffer("counts", torch.tensor(counts), persistent=False)
+        dims = [len(config.features)] + [config.hidden] * config.layers
         blocks = [nn.Sequential(nn.Linear(i, o), nn.GELU()) for i, o in zip(dims, dims[1:])]
         self.mlp = nn.Sequential(*blocks, nn.Linear(dims[-1], 1))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features [N, F] (FEATURE_NAMES order) -> acceptance logits [N]."""
-        x = features[:, self.index].float()
-        # put counts on a log scale so one head spans batch 1 and batch 64
-        scale = torch.tensor([1.0 if n not in ("position", "rows", "tokens") else 0.0 for n in self.config.features],
-                             device=x.device)
-        x = torch.where(scale.bool(), x, torch.log2(1 + x))
+        x = features.index_select(1, self.index).float()
+        x = torch.where(self.counts, torch.log2(1 + x), x)
         return self.mlp(x).squeeze(-1)
 
     def save(self, directory: str | Path) -> None:
