@@ -150,10 +150,11 @@ class Engine:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
         else:  # nobody drafts: the draft catches up later, in one chunk
             drafts = rows.seq.new_zeros(rows.seq.shape[0], 0)
-            p = torch.zeros(rows.seq.shape[0], 0, self.vocab, device=self.device)
+            p = None if self.temperature == 0 else torch.zeros(rows.seq.shape[0], 0, self.vocab, device=self.device)
             n_draft, fed = torch.zeros_like(budget), 0
-        q = self._verify(rows, host, caches[0], drafts, n_draft, stats)
-        n_acc, token = sampling.accept(drafts, p, q, n_draft, rows.seeds, rows.generated)
+        logits = self._verify(rows, host, caches[0], drafts, n_draft, stats)
+        n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
+                                       self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
         with stats.deciding():
             policy.observe(state, n_draft, n_acc)
@@ -164,7 +165,8 @@ class Engine:
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
                state: StepState, depth: int, stats: DecodeStats):
-        """Propose up to `depth` tokens per row; returns drafts [A, k], p [A, k, V], n_draft [A], feeds."""
+        """Propose up to `depth` tokens per row; returns drafts [A, k], p [A, k, V] (None when greedy),
+        n_draft [A], feeds."""
         stats.draft_forwards += self._read_alone(self.draft, cache, rows, host, "d_len", stats)
         unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
         width = int((host["length"] - host["d_len"]).max())
@@ -174,8 +176,7 @@ class Engine:
         drafting = budget > 0
         n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
         for i in range(1, depth + 1):
-            p_i = sampling.probs(logits, self.temperature, self.top_p)  # [A, V]
-            x_i = sampling.sample(p_i, sampling.uniform(rows.seeds, rows.generated + i - 1, sampling.DRAFT))
+            x_i, p_i = sampling.propose(logits, self.temperature, self.top_p, rows.seeds, rows.generated + i - 1)
             features = draft_features(logits, cum, i, state.rows, state.tokens)
             cum = features[:, COLUMN["cum_top1"]]
             with stats.deciding():
@@ -191,11 +192,12 @@ class Engine:
             logits = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
                                 host["length"].max() + i - 1, token=x_i)[:, 0]
             stats.draft_forwards += 1
-        return torch.stack(tokens, 1), torch.stack(dists, 1), n_draft, len(tokens) - 1
+        p = torch.stack(dists, 1) if self.temperature > 0 else None
+        return torch.stack(tokens, 1), p, n_draft, len(tokens) - 1
 
     def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, n_draft: torch.Tensor,
                 stats: DecodeStats) -> torch.Tensor:
-        """Target distributions q [A, k+1, V] at the last committed token and after each draft token."""
+        """Target logits [A, k+1, V] at the last committed token and after each draft token."""
         stats.target_forwards += self._read_alone(self.target, cache, rows, host, "t_len", stats)
         k = drafts.shape[1]
         slots = rows.length[:, None] + torch.arange(k, device=self.device)
@@ -205,7 +207,7 @@ class Engine:
         keep = (unseen - 1)[:, None] + torch.arange(k + 1, device=self.device)  # [A, k+1]
         logits = self._read(self.target, cache, rows, rows.t_len, width, keep, host["t_len"].max())
         stats.target_forwards += 1
-        return sampling.probs(logits, self.temperature, self.top_p)
+        return logits
 
     def _read_alone(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, host: dict, seen: str,
                     stats: DecodeStats) -> int:

@@ -1,8 +1,12 @@
 """Sampling and the lossless acceptance rule, batched and free of host syncs.
 
-Greedy decoding is the zero-temperature case of the same code: `probs` turns logits into one-hot
-argmax distributions, and the rejection rule below then reduces to "accept while the draft token
-equals the target's argmax, then emit the target's argmax". One path, exact in both regimes.
+The engine calls two functions: `propose` (a draft token from draft logits) and `settle` (how many
+drafts each row keeps, and its next token, from the target's logits). Greedy decoding is the
+zero-temperature limit of the rejection rule: accept while the draft token equals the target's
+argmax, then emit the target's argmax. `settle` computes that limit on token ids: the same tokens as
+the rule run on one-hot distributions, without building [B, k+1, V] one-hot tensors and an inverse-CDF
+sample over the vocabulary every step (on SmolLM2's 49k vocabulary that cost 10x more than the
+argmax path, e.g. ~0.3 ms vs 0.03 ms per step at batch 1 and tens of ms at batch 32, on this CPU).
 
 Randomness is counter-based: the uniform for (row seed, token index, stream) is a hash, so each row
 has its own reproducible random state whatever the batch composition, and no generator is stepped
@@ -17,10 +21,29 @@ M32 = 0xFFFFFFFF
 DRAFT, ACCEPT, RESIDUAL = 0, 1, 2  # independent random streams
 
 
-def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution a row samples from: one-hot argmax at temperature 0, else softmax(logits/T) in top-p."""
+def propose(logits: torch.Tensor, temperature: float, top_p: float, seeds: torch.Tensor,
+            index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft token per row from logits [B, V], and the distribution it came from (None when greedy)."""
     if temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return logits.argmax(-1), None
+    p = probs(logits, temperature, top_p)
+    return sample(p, uniform(seeds, index, DRAFT)), p
+
+
+def settle(draft_tokens: torch.Tensor, p: torch.Tensor | None, logits: torch.Tensor, n_draft: torch.Tensor,
+           seeds: torch.Tensor, index: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens kept and the next token per row, from the target's logits [B, k+1, V] (see `accept`)."""
+    if temperature > 0:
+        return accept(draft_tokens, p, probs(logits, temperature, top_p), n_draft, seeds, index)
+    best = logits.argmax(-1)  # [B, k+1]
+    k = draft_tokens.shape[1]
+    ok = (draft_tokens == best[:, :k]) & (torch.arange(k, device=best.device) < n_draft[:, None])
+    n_acc = ok.long().cumprod(-1).sum(-1)
+    return n_acc, best.gather(1, n_acc[:, None]).squeeze(1)
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution a row samples from (temperature > 0): softmax(logits/T), restricted to top-p."""
     p = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = p.sort(dim=-1, descending=True)
