@@ -177,8 +177,10 @@ class Engine:
         n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
         for i in range(1, depth + 1):
             x_i, p_i = sampling.propose(logits, self.temperature, self.top_p, rows.seeds, rows.generated + i - 1)
-            features = draft_features(logits, cum, i, state.rows, state.tokens)
-            cum = features[:, COLUMN["cum_top1"]]
+            features = None
+            if policy.reads_features:  # softmax statistics over the vocabulary: ~5x an argmax, so only on demand
+                features = draft_features(logits, cum, i, state.rows, state.tokens)
+                cum = features[:, COLUMN["cum_top1"]]
             with stats.deciding():
                 decides = policy.keep(features, x_i, state, i)
             drafting &= budget >= i

@@ -31,7 +31,8 @@ def propose(logits: torch.Tensor, temperature: float, top_p: float, seeds: torch
 
 
 def settle(draft_tokens: torch.Tensor, p: torch.Tensor | None, logits: torch.Tensor, n_draft: torch.Tensor,
-           seeds: torch.Tensor, index: torch.Tensor, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+           seeds: torch.Tensor, index: torch.Tensor, temperature: float,
+           top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens kept and the next token per row, from the target's logits [B, k+1, V] (see `accept`)."""
     if temperature > 0:
         return accept(draft_tokens, p, probs(logits, temperature, top_p), n_draft, seeds, index)

@@ -26,6 +26,7 @@ class DepthPolicy:
 
     max_depth: int = 0  # upper bound on any row's depth; 0 = this policy never needs a draft model
     greedy_only: bool = False  # True for policies that are only meaningful for greedy decoding
+    reads_features: bool = False  # True if `keep` reads the draft features (the engine computes them only then)
 
     def reset(self, batch_size: int) -> None:
         """A new batch starts."""
@@ -33,8 +34,10 @@ class DepthPolicy:
     def budget(self, state: StepState) -> torch.Tensor:
         return torch.zeros_like(state.generated)
 
-    def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor | None:
-        """Whether each row keeps the token proposed at `position` (1-based); None = no per-position decision."""
+    def keep(self, features: torch.Tensor | None, tokens: torch.Tensor, state: StepState,
+             position: int) -> torch.Tensor | None:
+        """Whether each row keeps the token proposed at `position` (1-based); None = no per-position decision.
+        `features` is None unless the policy sets `reads_features`."""
         return None
 
     def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -76,6 +76,7 @@ class ThresholdPolicy(DepthPolicy):
     threshold: float = 0.5
     feature: str = "top1"
     stop_above: bool = False  # top1: stop when below the threshold; entropy: stop when above it
+    reads_features = True
 
     def __post_init__(self) -> None:
         self.max_depth = _check_depth(type(self).__name__, self.k)

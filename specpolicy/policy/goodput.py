@@ -75,6 +75,8 @@ class HeadEstimator:
 class GoodputPolicy(DepthPolicy):
     """`profile` is a LatencyProfile, or the profile stage's directory (the file for `device`/`dtype` is used)."""
 
+    reads_features = True
+
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
                  dtype: str = "float32", prior: float | None = None, strength: float = 4.0, memory: float = 0.95,

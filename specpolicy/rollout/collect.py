@@ -16,6 +16,8 @@ class RecordingPolicy(DepthPolicy):
     then the conditional acceptance the depth head learns, P(accept i | accepted 1..i-1).
     """
 
+    reads_features = True
+
     def __init__(self, inner: DepthPolicy):
         self.inner, self.max_depth, self.greedy_only = inner, inner.max_depth, inner.greedy_only
         self._features: list[torch.Tensor] = []
