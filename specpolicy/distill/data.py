@@ -6,6 +6,12 @@ draft's own distribution, generated once with the initial draft). Either way the
 response in one teacher-forced pass, so a row holds the sequence plus, per response position, the
 target's top-k log-probs.
 
+A few hundred prompts are little data: a 4-layer draft of SmolLM2-135M distilled on 42k response tokens
+agrees with the target on 96% of its training positions and 31% of held-out ones, and held-out agreement
+stops rising after a third of the run. Two options buy more positions per prompt: `samples_per_prompt`
+responses sampled at `temperature`, and `prompt_loss`, which also trains on the prompt's own positions
+(the scoring pass computes the target's distributions there anyway).
+
 Generating is the slow part on a CPU (minutes for a few hundred responses), so each dataset is saved
 with `datasets.save_to_disk` under a key that hashes everything it depends on (both models' configs
 and weights, the prompt ids, the generation settings) and is reloaded on reruns.
@@ -43,6 +49,8 @@ class DistillData:
     val_prompts: int | None = 64  # first N prompts of the validation split
     max_new_tokens: int = 128
     temperature: float = 0.0  # of the generator; 0 = greedy
+    samples_per_prompt: int = 1  # responses per prompt, each from its own random stream (needs temperature > 0)
+    prompt_loss: bool = False  # also distil at the prompt's positions, not only the response's
     top_k: int = 64  # target log-probs kept per position; 0 = keep none (targets computed on the fly)
     batch_size: int = 16  # generation and scoring batch
     seed: int = 0
@@ -50,6 +58,9 @@ class DistillData:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise SpecPolicyError(f"distill.data.source={self.source!r}; choose one of {list(SOURCES)}")
+        if self.samples_per_prompt < 1 or (self.samples_per_prompt > 1 and self.temperature <= 0):
+            raise SpecPolicyError(f"distill.data.samples_per_prompt={self.samples_per_prompt} needs to be 1, or more "
+                                  f"with distill.data.temperature > 0 (greedy decoding repeats one response)")
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
         settings = {k: v for k, v in asdict(self).items() if k not in ("train_prompts", "val_prompts", "batch_size")}
@@ -64,12 +75,15 @@ class DistillData:
         if (out / "dataset_info.json").exists():
             log.info("distillation data %s: cached at %s", desc, out)
             return out
+        prompts = [p for p in prompts for _ in range(self.samples_per_prompt)]  # copies of a prompt side by side
         responses = generate_responses(generator, prompts, self.max_new_tokens, self.batch_size, self.temperature,
                                        self.seed, desc=f"generating {desc} responses ({self.source})")
         rows = {"input_ids": [p + r for p, r in zip(prompts, responses)], "prompt_len": [len(p) for p in prompts]}
+        if self.prompt_loss:  # every position after the first predicts a token the draft will learn
+            rows["loss_from"] = [1] * len(prompts)
         if top_k:
-            rows["topk_ids"], rows["topk_logp"] = score(target, rows["input_ids"], rows["prompt_len"], top_k,
-                                                        self.batch_size, desc=f"scoring {desc} responses")
+            rows["topk_ids"], rows["topk_logp"] = score(target, rows, top_k, self.batch_size,
+                                                        desc=f"scoring {desc} responses")
         _save_atomically(datasets.Dataset.from_dict(rows), out)
         return out
 
@@ -90,22 +104,24 @@ def generate_responses(model: PreTrainedModel, prompt_ids: list[list[int]], max_
     from specpolicy.decode import Engine
     from specpolicy.policy import ArPolicy
 
-    engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out: list[list[int]] = []
     for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, unit="batch"):
+        # The engine seeds row r as (seed, r): a seed per batch keeps batches' random streams apart.
+        engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + start)
         out += engine.generate(prompt_ids[start:start + batch_size], ArPolicy()).outputs
     return out
 
 
 @torch.inference_mode()
-def score(target: PreTrainedModel, sequences: list[list[int]], prompt_lens: list[int], top_k: int, batch_size: int,
+def score(target: PreTrainedModel, rows: dict[str, list], top_k: int, batch_size: int,
           desc: str = "scoring") -> tuple[list, list]:
-    """Per sequence, the target's top-k (ids, log-probs) at each position that predicts a response token."""
+    """Per sequence of `rows` (columns as `collate_rows` reads them), the target's top-k (ids, log-probs) at
+    each position that `collate_rows` trains on."""
     all_ids, all_logp = [], []
-    for start in tqdm(range(0, len(sequences), batch_size), desc=desc, unit="batch"):
-        batch = collate_rows([{"input_ids": s, "prompt_len": n} for s, n in
-                              zip(sequences[start:start + batch_size], prompt_lens[start:start + batch_size])],
-                             pad_id=0, max_length=None)
+    n = len(rows["input_ids"])
+    for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch"):
+        chunk = [{k: v[i] for k, v in rows.items()} for i in range(start, min(start + batch_size, n))]
+        batch = collate_rows(chunk, pad_id=0, max_length=None)
         batch = {k: v.to(target.device) for k, v in batch.items()}
         logp = torch.log_softmax(masked_logits(target, batch).float(), -1)  # [N, V]
         top = logp.topk(top_k, dim=-1)  # [N, k]
@@ -127,7 +143,8 @@ def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tor
 
 
 def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[str, torch.Tensor]:
-    """Right-padded batch; `loss_mask` marks positions whose next token is a response token.
+    """Right-padded batch; `loss_mask` marks positions whose next token is trained on: the response's
+    tokens, or every token from index `loss_from` where a row has that column (`prompt_loss`).
 
     With cached targets, `topk_ids`/`topk_logp` [N, k] follow the same row-major order as
     `input_ids[loss_mask]`, truncated with the sequence at `max_length`.
@@ -141,8 +158,9 @@ def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[
     for b, (seq, row) in enumerate(zip(seqs, rows)):
         input_ids[b, : len(seq)] = torch.tensor(seq)
         attention_mask[b, : len(seq)] = 1
-        loss_mask[b, row["prompt_len"] - 1: len(seq) - 1] = True
-        n_pos.append(max(len(seq) - row["prompt_len"], 0))
+        first = row.get("loss_from", row["prompt_len"])
+        loss_mask[b, first - 1: len(seq) - 1] = True
+        n_pos.append(max(len(seq) - first, 0))
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
     if "topk_ids" in rows[0]:
         k = len(rows[0]["topk_ids"][0])

@@ -143,7 +143,7 @@ class DistillDataModule(LightningDataModule):
         """Paths of both datasets, generated if missing; fixed at first call (later the draft has trained)."""
         if not self._paths:
             generator = self.target if self.data.source == "target" else self.draft
-            val = replace(self.data, source="target", temperature=0.0)
+            val = replace(self.data, source="target", temperature=0.0, samples_per_prompt=1, prompt_loss=False)
             self._paths = {
                 "train": self.data.build(self.target, generator, self.prompts["train"], self.top_k, self.cache_dir,
                                          "train"),

@@ -1,0 +1,46 @@
+"""Distillation data: more positions per prompt (sampled responses, prompt positions), scored consistently."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from specpolicy.distill.data import DistillData, collate_rows, masked_logits
+from specpolicy.errors import SpecPolicyError
+
+PROMPTS = [[5, 9, 3, 7], [11, 4], [8, 8, 2, 6, 1]]
+
+
+def _build(tiny_model, tmp_path, **settings) -> datasets.Dataset:
+    target = tiny_model().model
+    data = DistillData(max_new_tokens=6, top_k=4, batch_size=2, **settings)
+    return datasets.load_from_disk(str(data.build(target, target, PROMPTS, 4, tmp_path, "train")))
+
+
+def test_samples_per_prompt_gives_each_copy_its_own_response(tiny_model, tmp_path, single_thread):
+    rows = _build(tiny_model, tmp_path, temperature=1.0, samples_per_prompt=3)
+    assert len(rows) == 9
+    assert [ids[:n] for ids, n in zip(rows["input_ids"], rows["prompt_len"])] == [p for p in PROMPTS for _ in range(3)]
+    responses = [tuple(ids[n:]) for ids, n in zip(rows["input_ids"], rows["prompt_len"])]
+    assert len(set(responses)) == 9  # every copy and every batch samples from its own random stream
+
+
+def test_greedy_samples_are_refused():
+    with pytest.raises(SpecPolicyError, match="samples_per_prompt=2.*temperature > 0"):
+        DistillData(samples_per_prompt=2, temperature=0.0)
+
+
+def test_prompt_loss_scores_every_position_with_the_targets_top_k(tiny_model, tmp_path, single_thread):
+    target = tiny_model().model
+    rows = _build(tiny_model, tmp_path, prompt_loss=True)
+    batch = collate_rows([rows[i] for i in range(len(rows))], pad_id=0, max_length=None)
+    lengths = [len(ids) for ids in rows["input_ids"]]
+    assert batch["loss_mask"].sum(1).tolist() == [n - 1 for n in lengths]  # all but the last token predict one
+    with torch.no_grad():
+        top = masked_logits(target, batch).topk(4, dim=-1).indices
+    assert torch.equal(top, batch["topk_ids"].long())  # cached targets line up with the positions trained on
+
+    plain = collate_rows([{k: v for k, v in rows[i].items() if k == "input_ids" or k == "prompt_len"}
+                          for i in range(len(rows))], pad_id=0, max_length=None)
+    assert plain["loss_mask"].sum(1).tolist() == [n - p for n, p in zip(lengths, rows["prompt_len"])]
