@@ -41,6 +41,6 @@ def test_prompt_loss_scores_every_position_with_the_targets_top_k(tiny_model, tm
         top = masked_logits(target, batch).topk(4, dim=-1).indices
     assert torch.equal(top, batch["topk_ids"].long())  # cached targets line up with the positions trained on
 
-    plain = collate_rows([{k: v for k, v in rows[i].items() if k == "input_ids" or k == "prompt_len"}
-                          for i in range(len(rows))], pad_id=0, max_length=None)
+    plain = collate_rows([{k: rows[i][k] for k in ("input_ids", "prompt_len")} for i in range(len(rows))],
+                         pad_id=0, max_length=None)
     assert plain["loss_mask"].sum(1).tolist() == [n - p for n, p in zip(lengths, rows["prompt_len"])]
