@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specpolicy.distill.stage import distil
+from specpolicy.distill.stage import _datamodule, distil
+from specpolicy.distill.synthetic import PromptSynthesis
 from specpolicy.errors import SpecPolicyError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -135,3 +138,20 @@ def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):
 def test_draft_vocab_with_trainable_embeddings_is_refused(shared):
     with pytest.raises(SpecPolicyError, match="distill.draft_vocab needs distill.freeze_embeddings=true"):
         distil(_cfg(shared, "vocab_bad", "distill.draft_vocab=64"))
+
+
+def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(shared, monkeypatch):
+    texts = ["Say x.", "Say y.", "Say z."]
+    monkeypatch.setattr(PromptSynthesis, "sample", lambda *a: texts)
+    cfg = _cfg(shared, "synthetic", "distill/synthetic=magpie")
+    target = instantiate(cfg.target, dtype="float32").load()
+    data = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    data.setup("fit")
+    groups = {name: datasets.load_from_disk(str(path)) for name, path in data._build().items()}
+    assert set(groups) == {"train", "synthetic", "validation"}
+    tok = target.tokenizer
+    assert [tok.decode(ids[:n]) for ids, n in zip(groups["synthetic"]["input_ids"], groups["synthetic"]["prompt_len"])] \
+        == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in texts]
+    assert len(data.sets["train"]) == len(groups["train"]) + len(texts)
+    assert data.sets["validation"]["input_ids"] == groups["validation"]["input_ids"]  # held-out set untouched

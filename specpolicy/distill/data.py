@@ -100,7 +100,8 @@ def fingerprint(model: PreTrainedModel) -> str:
 
 @torch.inference_mode()
 def generate_responses(model: PreTrainedModel, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
-                       temperature: float = 0.0, seed: int = 0, desc: str = "generating") -> list[list[int]]:
+                       temperature: float = 0.0, seed: int = 0, top_p: float = 1.0,
+                       desc: str = "generating") -> list[list[int]]:
     """Each prompt's response (EOS included when hit), decoded by the engine in batches."""
     from specpolicy.decode import Engine
     from specpolicy.policy import ArPolicy
@@ -108,7 +109,8 @@ def generate_responses(model: PreTrainedModel, prompt_ids: list[list[int]], max_
     out: list[list[int]] = []
     for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, unit="batch"):
         # The engine seeds row r as (seed, r): a seed per batch keeps batches' random streams apart.
-        engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + start)
+        engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        seed=seed * 1_000_003 + start)
         out += engine.generate(prompt_ids[start:start + batch_size], ArPolicy()).outputs
     return out
 

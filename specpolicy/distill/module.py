@@ -26,6 +26,7 @@ from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.vocab import subset_of
 
+VAL = "validation"
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p_logp [N, V], q_logp [N, V]) -> [N]
 
 
@@ -123,14 +124,18 @@ class StepBatchSampler(Sampler[list[int]]):
 
 
 class DistillDataModule(LightningDataModule):
-    """Train rows from `data.source`, validation rows from the target's greedy responses to held-out prompts."""
+    """Train rows from `data.source`, validation rows from the target's greedy responses to held-out prompts.
+
+    `train_prompts` are named groups (the prompt set's train split, synthetic prompts), each generated
+    and cached on its own, so adding or resizing one group does not regenerate the others.
+    """
 
     def __init__(self, data: DistillData, target: PreTrainedModel, draft: PreTrainedModel,
-                 train_prompts: list[list[int]], val_prompts: list[list[int]], cache_dir: str | Path,
+                 train_prompts: dict[str, list[list[int]]], val_prompts: list[list[int]], cache_dir: str | Path,
                  batch_size: int, max_length: int, pad_id: int, cached_targets: bool, seed: int = 0):
         super().__init__()
         self.data, self.target, self.draft = data, target, draft
-        self.prompts = {"train": train_prompts, "validation": val_prompts}
+        self.prompts = {**{name: p for name, p in train_prompts.items() if p}, VAL: val_prompts}
         self.cache_dir, self.batch_size, self.seed = cache_dir, batch_size, seed
         self.top_k = data.top_k if cached_targets else 0
         if cached_targets and not data.top_k:
@@ -140,27 +145,31 @@ class DistillDataModule(LightningDataModule):
         self.sets: dict[str, datasets.Dataset] = {}
 
     def _build(self) -> dict[str, Path]:
-        """Paths of both datasets, generated if missing; fixed at first call (later the draft has trained)."""
+        """Paths of every group's dataset, generated if missing; fixed at first call (later the draft has trained)."""
         if not self._paths:
             generator = self.target if self.data.source == "target" else self.draft
             val = replace(self.data, source="target", temperature=0.0, samples_per_prompt=1, prompt_loss=False)
-            self._paths = {
-                "train": self.data.build(self.target, generator, self.prompts["train"], self.top_k, self.cache_dir,
-                                         "train"),
-                "validation": val.build(self.target, self.target, self.prompts["validation"], 0, self.cache_dir, "val"),
-            }
+            self._paths = {name: self.data.build(self.target, generator, prompts, self.top_k, self.cache_dir, name)
+                           for name, prompts in self.prompts.items() if name != VAL}
+            self._paths[VAL] = val.build(self.target, self.target, self.prompts[VAL], 0, self.cache_dir, "val")
         return self._paths
+
+    def _load(self) -> dict[str, datasets.Dataset]:
+        """{"train": every training group's rows, concatenated; "validation": the held-out rows}."""
+        paths = self._build()
+        train = [datasets.load_from_disk(str(p)) for name, p in paths.items() if name != VAL]
+        return {"train": datasets.concatenate_datasets(train), VAL: datasets.load_from_disk(str(paths[VAL]))}
 
     def prepare_data(self) -> None:
         self._build()
 
     def train_responses(self) -> list[list[int]]:
         """The response tokens of the training rows (generated if missing): what a draft vocabulary is ranked by."""
-        rows = datasets.load_from_disk(str(self._build()["train"]))
+        rows = self._load()["train"]
         return [ids[n:] for ids, n in zip(rows["input_ids"], rows["prompt_len"])]
 
     def setup(self, stage: str) -> None:
-        self.sets = {k: datasets.load_from_disk(str(p)) for k, p in self._build().items()}
+        self.sets = self._load()
 
     def train_dataloader(self) -> DataLoader:
         t = self.trainer
@@ -169,4 +178,4 @@ class DistillDataModule(LightningDataModule):
         return DataLoader(self.sets["train"], batch_sampler=sampler, collate_fn=self.collate)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.sets["validation"], batch_size=self.batch_size, shuffle=False, collate_fn=self.collate)
+        return DataLoader(self.sets[VAL], batch_size=self.batch_size, shuffle=False, collate_fn=self.collate)

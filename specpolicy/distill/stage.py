@@ -111,21 +111,25 @@ def _trainable(model, d: DictConfig):
 def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> DistillDataModule:
     d = cfg.distill
     data = instantiate(d.data)
-    prompts = {}
-    for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts)):
-        conversations = instantiate(cfg.data, split=split, limit=limit).load()
-        encoded = encode_prompts(target.tokenizer, conversations, context_length=2**62)
-        fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
-        prompts[split] = [ids for ids in encoded if len(ids) < fits]
-        if len(prompts[split]) < len(encoded):
-            log.info("distil: %d of %d %s prompts are too long for distill.max_length=%d, skipped",
-                     len(encoded) - len(prompts[split]), len(encoded), split, d.max_length)
-        if not prompts[split]:
-            raise SpecPolicyError(f"every {split} prompt is longer than distill.max_length={d.max_length} tokens; "
-                                  f"raise distill.max_length")
     tokenizer = target.tokenizer
+    groups = {split: instantiate(cfg.data, split=split, limit=limit).load()
+              for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))}
+    if d.get("synthetic"):  # written by the target: more training prompts, none of them held out
+        groups["synthetic"] = instantiate(d.synthetic).conversations(target.model, tokenizer, cfg.paths.cache_dir)
+    prompts = {}
+    for name, conversations in groups.items():
+        encoded = encode_prompts(tokenizer, conversations, context_length=2**62)
+        fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
+        prompts[name] = [ids for ids in encoded if len(ids) < fits]
+        if len(prompts[name]) < len(encoded):
+            log.info("distil: %d of %d %s prompts are too long for distill.max_length=%d, skipped",
+                     len(encoded) - len(prompts[name]), len(encoded), name, d.max_length)
+        if not prompts[name]:
+            raise SpecPolicyError(f"every {name} prompt is longer than distill.max_length={d.max_length} tokens; "
+                                  f"raise distill.max_length")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return DistillDataModule(data, target.model, draft.model, prompts["train"], prompts["validation"],
+    val = prompts.pop("validation")
+    return DistillDataModule(data, target.model, draft.model, prompts, val,
                              cfg.paths.cache_dir, d.batch_size, d.max_length, pad_id,
                              cached_targets=d.target_probs == "cached", seed=cfg.seed)
 
