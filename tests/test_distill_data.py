@@ -1,12 +1,14 @@
-"""Distillation data: more positions per prompt (sampled responses, prompt positions), scored consistently."""
+"""Distillation data: more positions per prompt (sampled responses, prompt positions), scored consistently,
+and cached under keys that change only when the models or settings do."""
 
 from __future__ import annotations
 
 import datasets
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from specpolicy.distill.data import DistillData, collate_rows, masked_logits
+from specpolicy.distill.data import DistillData, collate_rows, fingerprint, masked_logits
 from specpolicy.errors import SpecPolicyError
 
 PROMPTS = [[5, 9, 3, 7], [11, 4], [8, 8, 2, 6, 1]]
@@ -44,3 +46,15 @@ def test_prompt_loss_scores_every_position_with_the_targets_top_k(tiny_model, tm
     plain = collate_rows([{k: rows[i][k] for k in ("input_ids", "prompt_len")} for i in range(len(rows))],
                          pad_id=0, max_length=None)
     assert plain["loss_mask"].sum(1).tolist() == [n - p for n, p in zip(lengths, rows["prompt_len"])]
+
+
+def test_fingerprint_ignores_the_folder_a_model_was_loaded_from(tiny_model, tmp_path):
+    model = tiny_model().model
+    for name in ("a", "b"):
+        model.save_pretrained(tmp_path / name)
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / name) for name in ("a", "b"))
+    assert a.config.name_or_path != b.config.name_or_path
+    assert fingerprint(a) == fingerprint(b)  # a moved or freshly cloned project reuses its cached data
+    with torch.no_grad():
+        next(b.parameters()).view(-1)[0] += 1.0
+    assert fingerprint(a) != fingerprint(b)

@@ -90,8 +90,11 @@ class DistillData:
 
 
 def fingerprint(model: PreTrainedModel) -> str:
-    """Config + a sample of every weight: two models hash alike only if they compute alike (in practice)."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    """Config + a sample of every weight: two models hash alike only if they compute alike (in practice).
+    The folder a model was loaded from is left out, so a moved or freshly cloned project keeps its caches."""
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
