@@ -2,8 +2,9 @@
 
 A chat model given its template up to the start of a user turn, and nothing else, writes a user
 message: sampled, these are prompts from the distribution the model was tuned on, as many as one
-asks for, offline. The draft is short of prompts, not of positions per prompt (README, Distillation),
-so these are the cheap way to grow its data when no hub is reachable.
+asks for, offline. The draft is short of prompts, not of positions per prompt, so these are the cheap
+way to grow its data when no hub is reachable: on SmolLM2-135M, 1081 such prompts raised a 4-layer
+draft's held-out agreement from 0.31 to 0.36 at equal steps (README, Distillation).
 
 The prompts are saved as a JSONL prompts file (`{"prompt": ...}` per line, the format
 `data.prompts_file` reads) under a key that hashes the target and these settings, and reloaded on reruns.
