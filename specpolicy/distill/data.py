@@ -66,9 +66,8 @@ class DistillData:
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
         settings = {k: v for k, v in asdict(self).items() if k not in ("train_prompts", "val_prompts", "batch_size")}
-        blob = json.dumps({"target": fingerprint(target), "generator": fingerprint(generator), "prompts": prompts,
-                           "settings": settings, "top_k": top_k}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return cache_key({"target": fingerprint(target), "generator": fingerprint(generator), "prompts": prompts,
+                          "settings": settings, "top_k": top_k})
 
     def build(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int,
               cache_dir: str | Path, desc: str) -> Path:
@@ -88,6 +87,11 @@ class DistillData:
                                                         desc=f"scoring {desc} responses")
         _save_atomically(datasets.Dataset.from_dict(rows), out)
         return out
+
+
+def cache_key(parts: dict) -> str:
+    """A short name for a cache entry: a hash of everything (JSON-serialisable) the entry depends on."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fingerprint(model: PreTrainedModel) -> str:

@@ -116,10 +116,10 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> Dis
               for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))}
     if d.get("synthetic"):  # written by the target: more training prompts, none of them held out
         groups["synthetic"] = instantiate(d.synthetic).conversations(target.model, tokenizer, cfg.paths.cache_dir)
+    fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
     prompts = {}
     for name, conversations in groups.items():
         encoded = encode_prompts(tokenizer, conversations, context_length=2**62)
-        fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
         prompts[name] = [ids for ids in encoded if len(ids) < fits]
         if len(prompts[name]) < len(encoded):
             log.info("distil: %d of %d %s prompts are too long for distill.max_length=%d, skipped",

@@ -12,7 +12,6 @@ The prompts are saved as a JSONL prompts file (`{"prompt": ...}` per line, the f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specpolicy.data import PromptSource
 from specpolicy.data.prompts import Conversation
-from specpolicy.distill.data import fingerprint, generate_responses
+from specpolicy.distill.data import cache_key, fingerprint, generate_responses
 from specpolicy.errors import SpecPolicyError
 
 log = logging.getLogger(__name__)
@@ -56,8 +55,8 @@ class PromptSynthesis:
                       cache_dir: str | Path) -> list[Conversation]:
         """The prompts as conversations, sampled once per (target, settings) and then read from the cache."""
         settings = {k: v for k, v in asdict(self).items() if k != "batch_size"}
-        key = hashlib.sha256(json.dumps({"target": fingerprint(model), **settings}, sort_keys=True).encode())
-        path = Path(cache_dir) / "distill" / f"synthetic-prompts-{key.hexdigest()[:16]}.jsonl"
+        key = cache_key({"target": fingerprint(model), **settings})
+        path = Path(cache_dir) / "distill" / f"synthetic-prompts-{key}.jsonl"
         if not path.exists():
             _write_atomically(path, self.sample(model, tokenizer))
         else:
