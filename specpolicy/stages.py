@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from specpolicy.atomic import atomic_path
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
 from specpolicy.models import LoadedModel, check_compatible
@@ -81,9 +82,11 @@ def collect(cfg: DictConfig) -> None:
         count = max(bs, c.min_prompts_per_size)
         for start in tqdm(range(0, count, bs), desc=f"batch size {bs}", leave=False):
             engine.generate(prompts[start : start + bs], recorder)
-        _save(_dataset(torch.cat(recorder.records)), shard)
+        with atomic_path(shard) as tmp:
+            _dataset(torch.cat(recorder.records)).save_to_disk(str(tmp))
     parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in c.batch_sizes]
-    _save(datasets.concatenate_datasets(parts), out)
+    with atomic_path(out) as tmp:
+        datasets.concatenate_datasets(parts).save_to_disk(str(tmp))
     shutil.rmtree(shards)
     log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
 
@@ -123,10 +126,3 @@ def _dataset(records: torch.Tensor) -> datasets.Dataset:
     return datasets.Dataset.from_dict({name: records[:, i].tolist() for i, name in enumerate(COLUMNS)})
 
 
-def _save(dataset: datasets.Dataset, out: Path) -> None:
-    """save_to_disk into a temporary sibling, then rename: never a half-written dataset."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    dataset.save_to_disk(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)

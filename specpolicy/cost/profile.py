@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.errors import SpecPolicyError
 from specpolicy.runtime import resolve_device, synchronize
@@ -34,11 +35,8 @@ class LatencyProfile:
     draft_ms: list[list[float]]
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> LatencyProfile:

@@ -24,9 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.vocab import SubsetHead
 
@@ -85,7 +83,8 @@ class DistillData:
         if top_k:
             rows["topk_ids"], rows["topk_logp"] = score(target, rows, top_k, self.batch_size,
                                                         desc=f"scoring {desc} responses")
-        _save_atomically(datasets.Dataset.from_dict(rows), out)
+        with atomic_path(out) as tmp:
+            datasets.Dataset.from_dict(rows).save_to_disk(str(tmp))
         return out
 
 
@@ -180,14 +179,3 @@ def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[
     return batch
 
 
-def _save_atomically(dataset: datasets.Dataset, out: Path) -> None:
-    """A killed run leaves a temporary folder, never a half-written dataset that a rerun would trust."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
-        dataset.save_to_disk(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.tiny import byte_tokenizer
 from specpolicy.runtime import resolve_device, resolve_dtype
@@ -138,19 +136,11 @@ def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTok
                files: dict[str, str] | None = None) -> None:
     """Save an HF folder (plus extra text `files`) to a temporary sibling and rename it into place, so an
     interrupted save never leaves a half-written folder that a later stage would trust."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    with atomic_path(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
 from specpolicy.rollout.features import COLUMN, FEATURE_NAMES
 
@@ -46,11 +47,12 @@ class DepthHead(nn.Module):
         return self.mlp(x).squeeze(-1)
 
     def save(self, directory: str | Path) -> None:
+        """head.pt last: its existence is what the head stage and `load` trust."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save(self.state_dict(), directory / "head.pt.tmp")
-        (directory / "head.pt.tmp").replace(directory / "head.pt")
-        (directory / "config.json").write_text(json.dumps(asdict(self.config), indent=1))
+        with atomic_path(directory / "config.json") as tmp:
+            tmp.write_text(json.dumps(asdict(self.config), indent=1))
+        with atomic_path(directory / "head.pt") as tmp:
+            torch.save(self.state_dict(), tmp)
 
     @classmethod
     def load(cls, directory: str | Path) -> DepthHead:
