@@ -39,8 +39,7 @@ def test_speculation_stops_where_the_profile_says_it_cannot_pay() -> None:
 
 
 @pytest.mark.parametrize("estimator", ["confidence", "head"])
-def test_mean_depth_falls_with_load_and_reaches_zero(tiny_model, tmp_path: Path, estimator: str) -> None:
-    target = tiny_model()
+def test_mean_depth_falls_with_load_and_reaches_zero(tmp_path: Path, estimator: str) -> None:
     head = HeadEstimator(str(synthetic.head_dir(tmp_path))) if estimator == "head" else None
     policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=6, estimator=head)
     confident = torch.zeros(64, len(FEATURE_NAMES))
