@@ -142,16 +142,20 @@ def test_draft_vocab_with_trainable_embeddings_is_refused(shared):
 
 def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(shared, monkeypatch):
     texts = ["Say x.", "Say y.", "Say z."]
-    monkeypatch.setattr(PromptSynthesis, "sample", lambda *a: texts)
+    monkeypatch.setattr(PromptSynthesis, "sample", lambda *a: [*texts, PROMPTS[12]])  # [12]: a validation prompt
     cfg = _cfg(shared, "synthetic", "distill/synthetic=magpie")
     target = instantiate(cfg.target, dtype="float32").load()
     data = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
     data.setup("fit")
     groups = {name: datasets.load_from_disk(str(path)) for name, path in data._build().items()}
-    assert set(groups) == {"train", "synthetic", "validation"}
+    assert set(groups) == {"train", "magpie", "validation"}
     tok = target.tokenizer
-    assert [tok.decode(ids[:n]) for ids, n in zip(groups["synthetic"]["input_ids"], groups["synthetic"]["prompt_len"])] \
+    assert [tok.decode(ids[:n]) for ids, n in zip(groups["magpie"]["input_ids"], groups["magpie"]["prompt_len"])] \
         == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
             for t in texts]
     assert len(data.sets["train"]) == len(groups["train"]) + len(texts)
     assert data.sets["validation"]["input_ids"] == groups["validation"]["input_ids"]  # held-out set untouched
+
+    clash = _cfg(shared, "synthetic", "+distill.synthetic.validation._target_=specpolicy.distill.synthetic.PromptSynthesis")
+    with pytest.raises(SpecPolicyError, match="clashes with the 'validation' prompts"):
+        _datamodule(clash, target, instantiate(clash.draft).build(target))

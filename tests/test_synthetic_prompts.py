@@ -16,9 +16,7 @@ def test_user_turn_prefix_is_the_template_up_to_the_message(tiny_model):
     tok = tiny_model().tokenizer
     prefix = user_turn_prefix(tok)
     text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
-    full = tok(text, add_special_tokens=False)["input_ids"]
-    assert full[: len(prefix)] == prefix
-    assert tok.decode(full[len(prefix):]).startswith("hello<|im_end|>")
+    assert text.startswith(prefix) and text[len(prefix):].startswith("hello<|im_end|>")
 
 
 def test_a_tokenizer_without_chat_template_is_refused(tiny_model):
@@ -52,3 +50,38 @@ def test_prompts_are_sampled_once_and_saved_as_a_prompts_file(tiny_model, tmp_pa
 
     monkeypatch.setattr(PromptSynthesis, "sample", lambda *a: pytest.fail("sampled again instead of reading the cache"))
     assert synth.conversations(loaded.model, loaded.tokenizer, tmp_path) == first
+
+
+def test_openings_start_each_message_and_an_opening_alone_is_dropped(tiny_model, monkeypatch):
+    loaded = tiny_model()
+    tok, eos = loaded.tokenizer, loaded.model.generation_config.eos_token_id
+    seen = []
+
+    def generate(model, prompts, *args, **kwargs):
+        seen.extend(tok.decode(p) for p in prompts)
+        return [tok(" more.", add_special_tokens=False)["input_ids"] + [eos], [eos]] * (len(prompts) // 2)
+
+    monkeypatch.setattr(synthetic, "generate_responses", generate)
+    synth = PromptSynthesis(num_prompts=8, opening_words=2)
+    openings = synth.openings([[{"role": "user", "content": "Translate this  text, please."}],
+                               [{"role": "user", "content": "Why?"}]])
+    assert openings == ["Translate this", "Why?"]
+    prompts = synth.sample(loaded.model, tok, openings)
+    prefix = user_turn_prefix(tok)
+    assert {p.removeprefix(prefix) for p in seen} <= set(openings) and all(p.startswith(prefix) for p in seen)
+    assert set(prompts) <= {"Translate this more.", "Why? more."}  # the samples that wrote nothing are gone
+
+
+def test_openings_from_other_training_prompts_are_another_cache_entry(tiny_model, tmp_path, monkeypatch):
+    loaded = tiny_model()
+    monkeypatch.setattr(PromptSynthesis, "sample", lambda self, model, tok, openings: [f"{o} now" for o in openings]
+                        or ["free"])
+    sets = [[[{"role": "user", "content": f"{word} it"}]] for word in ("Say", "Write")]
+    for synth in (PromptSynthesis(opening_words=1), PromptSynthesis()):
+        for train in sets:
+            synth.conversations(loaded.model, loaded.tokenizer, tmp_path, train)
+    files = sorted((tmp_path / "distill").glob("synthetic-prompts-*.jsonl"))
+    assert sorted(f.read_text() for f in files) == sorted(['{"prompt": "Say now"}\n', '{"prompt": "Write now"}\n',
+                                                           '{"prompt": "free"}\n'])  # free sampling ignores them
+    with pytest.raises(SpecPolicyError, match="needs training prompts"):
+        PromptSynthesis(opening_words=1).openings([])

@@ -114,8 +114,13 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> Dis
     tokenizer = target.tokenizer
     groups = {split: instantiate(cfg.data, split=split, limit=limit).load()
               for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))}
-    if d.get("synthetic"):  # written by the target: more training prompts, none of them held out
-        groups["synthetic"] = instantiate(d.synthetic).conversations(target.model, tokenizer, cfg.paths.cache_dir)
+    for name, synthesis in (d.get("synthetic") or {}).items():  # written by the target: more training prompts
+        if name in groups:
+            raise SpecPolicyError(f"distill.synthetic.{name} clashes with the {name!r} prompts; rename the entry")
+        written = instantiate(synthesis).conversations(target.model, tokenizer, cfg.paths.cache_dir, groups["train"])
+        groups[name] = [c for c in written if c not in groups["validation"]]  # held out stays held out
+        if len(groups[name]) < len(written):
+            log.info("distil: %d %s prompts equal validation prompts, dropped", len(written) - len(groups[name]), name)
     fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
     prompts = {}
     for name, conversations in groups.items():
