@@ -70,6 +70,13 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
         assert (exp / artefact).exists(), artefact
     again = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert again.returncode == 0 and (again.stdout + again.stderr).count("skipping") >= 4, again.stdout[-2000:]
+    held_out = run("draft_metrics.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
+    assert held_out.returncode == 0, held_out.stderr[-3000:]
+    distilled = json.loads((exp / "draft" / "metrics.json").read_text())["after"]
+    measured = json.loads((exp / "draft_held_out.json").read_text())
+    for got, want in ((measured, distilled), (measured["test"], distilled["test"])):  # the saved draft: as distilled
+        assert got["agreement"] == pytest.approx(want["agreement"], abs=1e-6)
+        assert got["expected_acceptance"] == pytest.approx(want["expected_acceptance"], abs=1e-5)
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((exp / "report" / "report.json").read_text())

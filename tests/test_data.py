@@ -22,10 +22,11 @@ def test_embedded_set_is_large_diverse_and_split() -> None:
     assert set(categories) == {"writing", "open_qa", "reasoning_math", "coding", "summarisation", "extraction",
                                "translation", "roleplay"}
     assert min(categories.values()) >= 50
-    train = PromptSource(split="train").load()
-    val = PromptSource(split="validation").load()
-    assert len(train) + len(val) == len(rows) and len(val) >= 100
-    assert not {c[0]["content"] for c in train} & {c[0]["content"] for c in val}
+    splits = {split: {c[0]["content"] for c in PromptSource(split=split).load()}
+              for split in ("train", "validation", "test")}
+    assert sum(map(len, splits.values())) == len(rows) and min(len(splits["validation"]), len(splits["test"])) >= 48
+    assert not splits["train"] & splits["validation"] and not splits["test"] & (splits["train"] | splits["validation"])
+    assert PromptSource().split == "test"  # evaluation never decodes what distillation was tuned on
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])

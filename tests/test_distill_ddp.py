@@ -12,7 +12,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_ddp_two_cpu_processes(tmp_path):
-    rows = [{"prompt": f"Count to {i}.", "split": "train" if i < 12 else "validation"} for i in range(16)]
+    rows = [{"prompt": f"Count to {i}.", "split": "train" if i < 12 else "validation" if i < 16 else "test"}
+            for i in range(20)]
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     overrides = ["debug=fast", "experiment=tiny", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
                  "runtime.device=cpu", "draft.layers=[0,-1]", f"data.prompts_file={tmp_path / 'prompts.jsonl'}",
@@ -25,6 +26,6 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world_size: 2" in proc.stderr + proc.stdout or "MEMBER: 2/2" in proc.stderr + proc.stdout
     metrics = json.loads((tmp_path / "tiny" / "draft" / "metrics.json").read_text())
-    assert metrics["steps"] == 4
+    assert metrics["steps"] == 4 and set(metrics["after"]["test"]) == {"loss", "agreement", "expected_acceptance"}
     ckpt = torch.load(tmp_path / "tiny" / "distill" / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 4

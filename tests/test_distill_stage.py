@@ -26,6 +26,7 @@ def shared(tmp_path_factory):
     """Short prompts (the byte tokenizer makes long ones long) and one data cache for every run here."""
     root = tmp_path_factory.mktemp("distill")
     rows = [{"prompt": p, "split": "train" if i < 12 else "validation"} for i, p in enumerate(PROMPTS)]
+    rows += [{"prompt": f"Say {w} twice.", "split": "test"} for w in ("no", "up", "on", "in")]
     (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return root
 
@@ -50,6 +51,7 @@ def test_debug_fast_distils_a_loadable_assistant(shared):
     assert m["steps"] == cfg.trainer.max_steps
     assert m["after"]["expected_acceptance"] > m["before"]["expected_acceptance"]
     assert m["cost"]["flops_ratio"] < 1 and {"agreement", "expected_acceptance"} <= set(m["after"])
+    assert set(m["after"]["test"]) == {"loss", "agreement", "expected_acceptance"} == set(m["before"]["test"])
     draft = AutoModelForCausalLM.from_pretrained(shared / "e2e" / "tiny" / "draft")
     assert draft.config.num_hidden_layers == 2
     target = _target(cfg)
@@ -148,14 +150,27 @@ def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(share
     data = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
     data.setup("fit")
     groups = {name: datasets.load_from_disk(str(path)) for name, path in data._build().items()}
-    assert set(groups) == {"train", "magpie", "validation"}
+    assert set(groups) == {"train", "magpie", "validation", "test"}
     tok = target.tokenizer
     assert [tok.decode(ids[:n]) for ids, n in zip(groups["magpie"]["input_ids"], groups["magpie"]["prompt_len"])] \
         == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
             for t in texts]
     assert len(data.sets["train"]) == len(groups["train"]) + len(texts)
-    assert data.sets["validation"]["input_ids"] == groups["validation"]["input_ids"]  # held-out set untouched
+    assert data.sets["validation"]["input_ids"] == groups["validation"]["input_ids"]  # held-out sets untouched
+    assert [tok.decode(ids[:n]).count("twice") for ids, n in zip(groups["test"]["input_ids"], groups["test"]["prompt_len"])] \
+        == [1] * 4  # the test split's prompts, and only those
 
     clash = _cfg(shared, "synthetic", "+distill.synthetic.validation._target_=specpolicy.distill.synthetic.PromptSynthesis")
     with pytest.raises(SpecPolicyError, match="clashes with the 'validation' prompts"):
         _datamodule(clash, target, instantiate(clash.draft).build(target))
+
+
+def test_a_prompt_set_without_a_test_split_says_how_to_go_without(shared, tmp_path):
+    rows = [{"prompt": p, "split": "train" if i < 12 else "validation"} for i, p in enumerate(PROMPTS)]
+    (tmp_path / "no_test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = _cfg(shared, "no_test", f"data.prompts_file={tmp_path / 'no_test.jsonl'}")
+    target = instantiate(cfg.target, dtype="float32").load()
+    with pytest.raises(SpecPolicyError, match="split='test'.*distill.data.test_prompts=0"):
+        _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    cfg = _cfg(shared, "no_test", f"data.prompts_file={tmp_path / 'no_test.jsonl'}", "distill.data.test_prompts=0")
+    assert "test" not in _datamodule(cfg, target, instantiate(cfg.draft).build(target)).held_out

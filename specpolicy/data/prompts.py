@@ -31,7 +31,7 @@ class PromptSource:
 
     prompts_file: str | None = None
     hub_dataset: str | None = None
-    split: str = "validation"
+    split: str = "test"
     limit: int | None = None
 
     def load(self) -> list[Conversation]:

@@ -26,7 +26,8 @@ from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.vocab import subset_of
 
-VAL = "validation"
+VAL, TEST = "validation", "test"  # held-out sets: settings are chosen on VAL; TEST is only reported
+METRICS = ("loss", "agreement", "expected_acceptance")
 Divergence = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (p_logp [N, V], q_logp [N, V]) -> [N]
 
 
@@ -41,12 +42,16 @@ class DistillModule(LightningModule):
         object.__setattr__(self, "target", target.eval().requires_grad_(False))
         self.loss_fn, self.temperature = loss, temperature
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
-        self.val_metrics = torch.nn.ModuleDict({k: MeanMetric() for k in ("loss", "agreement", "expected_acceptance")})
+        self.eval_metrics = torch.nn.ModuleDict({stage: torch.nn.ModuleDict({k: MeanMetric() for k in METRICS})
+                                                 for stage in ("val", "test")})
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)
 
     def on_validation_start(self) -> None:
+        self.target.to(self.device)
+
+    def on_test_start(self) -> None:
         self.target.to(self.device)
 
     def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,6 +80,12 @@ class DistillModule(LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         p_logits, q_logp, q_top1 = self._distributions(batch)
         vocab = subset_of(self.draft)
         p_top1 = p_logits.argmax(-1)
@@ -86,8 +97,9 @@ class DistillModule(LightningModule):
             "expected_acceptance": (1.0 - tvd(log_probs(p_logits), q_logp)).mean(),
         }
         for name, value in values.items():  # token-weighted over the whole set, summed across ranks
-            self.val_metrics[name].update(value, n)
-            self.log(f"val/{name}", self.val_metrics[name], prog_bar=name == "agreement")
+            metric = self.eval_metrics[stage][name]
+            metric.update(value, n)
+            self.log(f"{stage}/{name}", metric, prog_bar=name == "agreement")
 
     def configure_optimizers(self):
         optimizer = self.make_optimizer([p for p in self.draft.parameters() if p.requires_grad])
@@ -124,7 +136,8 @@ class StepBatchSampler(Sampler[list[int]]):
 
 
 class DistillDataModule(LightningDataModule):
-    """Train rows from `data.source`, validation rows from the target's greedy responses to held-out prompts.
+    """Train rows from `data.source`; validation and test rows from the target's greedy responses to
+    held-out prompts (`test_prompts` may be empty: then there is no test set).
 
     `train_prompts` are named groups (the prompt set's train split, synthetic prompts), each generated
     and cached on its own, so adding or resizing one group does not regenerate the others.
@@ -132,10 +145,12 @@ class DistillDataModule(LightningDataModule):
 
     def __init__(self, data: DistillData, target: PreTrainedModel, draft: PreTrainedModel,
                  train_prompts: dict[str, list[list[int]]], val_prompts: list[list[int]], cache_dir: str | Path,
-                 batch_size: int, max_length: int, pad_id: int, cached_targets: bool, seed: int = 0):
+                 batch_size: int, max_length: int, pad_id: int, cached_targets: bool, seed: int = 0,
+                 test_prompts: list[list[int]] = ()):
         super().__init__()
         self.data, self.target, self.draft = data, target, draft
-        self.prompts = {**{name: p for name, p in train_prompts.items() if p}, VAL: val_prompts}
+        self.prompts = {name: p for name, p in train_prompts.items() if p}
+        self.held_out = {VAL: val_prompts, **({TEST: list(test_prompts)} if test_prompts else {})}
         self.cache_dir, self.batch_size, self.seed = cache_dir, batch_size, seed
         self.top_k = data.top_k if cached_targets else 0
         if cached_targets and not data.top_k:
@@ -148,17 +163,19 @@ class DistillDataModule(LightningDataModule):
         """Paths of every group's dataset, generated if missing; fixed at first call (later the draft has trained)."""
         if not self._paths:
             generator = self.target if self.data.source == "target" else self.draft
-            val = replace(self.data, source="target", temperature=0.0, samples_per_prompt=1, prompt_loss=False)
+            held_out = replace(self.data, source="target", temperature=0.0, samples_per_prompt=1, prompt_loss=False)
             self._paths = {name: self.data.build(self.target, generator, prompts, self.top_k, self.cache_dir, name)
-                           for name, prompts in self.prompts.items() if name != VAL}
-            self._paths[VAL] = val.build(self.target, self.target, self.prompts[VAL], 0, self.cache_dir, "val")
+                           for name, prompts in self.prompts.items()}
+            for name, prompts in self.held_out.items():
+                self._paths[name] = held_out.build(self.target, self.target, prompts, 0, self.cache_dir, name)
         return self._paths
 
     def _load(self) -> dict[str, datasets.Dataset]:
-        """{"train": every training group's rows, concatenated; "validation": the held-out rows}."""
+        """{"train": every training group's rows, concatenated; "validation" and "test": the held-out rows}."""
         paths = self._build()
-        train = [datasets.load_from_disk(str(p)) for name, p in paths.items() if name != VAL]
-        return {"train": datasets.concatenate_datasets(train), VAL: datasets.load_from_disk(str(paths[VAL]))}
+        train = [datasets.load_from_disk(str(paths[name])) for name in self.prompts]
+        return {**({"train": datasets.concatenate_datasets(train)} if train else {}),
+                **{name: datasets.load_from_disk(str(paths[name])) for name in self.held_out}}
 
     def prepare_data(self) -> None:
         self._build()
@@ -179,3 +196,6 @@ class DistillDataModule(LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.sets[VAL], batch_size=self.batch_size, shuffle=False, collate_fn=self.collate)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.sets[TEST], batch_size=self.batch_size, shuffle=False, collate_fn=self.collate)

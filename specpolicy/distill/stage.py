@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.data import encode_prompts
-from specpolicy.distill.module import DistillDataModule, DistillModule
+from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import describe_cost
@@ -49,18 +49,18 @@ def distil(cfg: DictConfig) -> None:
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
                            temperature=d.temperature)
     trainer = _trainer(cfg)
-    before = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    before = _held_out(trainer, module, datamodule)
     start = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=d.ckpt_path)
     train_s = time.perf_counter() - start
     if trainer.interrupted or trainer.global_step < trainer.max_steps:
         raise SpecPolicyError(f"distillation stopped at step {trainer.global_step} of {trainer.max_steps}; "
                               f"rerun the same command to resume from the last checkpoint")
-    after = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    after = _held_out(trainer, module, datamodule)
     if not trainer.is_global_zero:
         return
     merged = model.merge_and_unload() if d.get("lora") else model
-    metrics = {"draft": draft.name, "target": target.name, "before": _val(before), "after": _val(after),
+    metrics = {"draft": draft.name, "target": target.name, "before": before, "after": after,
                "cost": draft.cost, "draft_vocab": None if vocab is None else len(vocab), "train_seconds": train_s,
                "steps": trainer.global_step,
                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -70,9 +70,37 @@ def distil(cfg: DictConfig) -> None:
         restore_full_head(merged, full_head)
         files[VOCAB_FILE] = vocab_file_text(vocab)
     save_model(out, merged.eval(), target.tokenizer, files)
-    log.info("distil: agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; saved %s",
-             metrics["before"]["agreement"], metrics["after"]["agreement"], metrics["before"]["expected_acceptance"],
-             metrics["after"]["expected_acceptance"], draft.cost["flops_ratio"], train_s, out)
+    log.info("distil: validation agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; "
+             "saved %s", before["agreement"], after["agreement"], before["expected_acceptance"],
+             after["expected_acceptance"], draft.cost["flops_ratio"], train_s, out)
+    if "test" in after:
+        log.info("distil: test agreement %.3f, expected acceptance %.3f (prompts nothing was tuned on)",
+                 after["test"]["agreement"], after["test"]["expected_acceptance"])
+
+
+def held_out_metrics(cfg: DictConfig) -> dict:
+    """`distil`'s validation and test metrics for a saved draft (`trained_draft`: the experiment's distilled
+    draft, or `draft@trained_draft=pretrained trained_draft.source.path=...`), without its training data:
+    for drafts distilled before the test split existed, or made elsewhere. scripts/draft_metrics.py prints it."""
+    target = instantiate(cfg.target, dtype="float32").load()
+    draft = instantiate(cfg.trained_draft, source={"dtype": "float32"}).build(target)
+    module = DistillModule(draft.model, target.model, loss=instantiate(cfg.distill.loss), optimizer=None,
+                           temperature=cfg.distill.temperature)
+    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
+                        logger=False, enable_checkpointing=False, enable_model_summary=False, inference_mode=False)
+    return {"draft": draft.name, "target": target.name, "cost": draft.cost,
+            **_held_out(trainer, module, _datamodule(cfg, target, draft, train=False))}
+
+
+def _held_out(trainer: L.Trainer, module: DistillModule, datamodule: DistillDataModule) -> dict:
+    """Validation metrics, with the test set's under "test" when there is one: settings are chosen on the
+    validation prompts, so only the test prompts measure a draft on prompts nothing was tuned on."""
+    found = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    metrics = {k.removeprefix("val/"): float(v) for k, v in found.items()}
+    if TEST in datamodule.held_out:
+        found = trainer.test(module, datamodule=datamodule, verbose=False)[0]
+        metrics["test"] = {k.removeprefix("test/"): float(v) for k, v in found.items()}
+    return metrics
 
 
 def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule):
@@ -108,19 +136,26 @@ def _trainable(model, d: DictConfig):
     return model
 
 
-def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> DistillDataModule:
+def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train: bool = True) -> DistillDataModule:
+    """The distillation data; with `train=False` only the held-out sets (nothing to generate for training)."""
     d = cfg.distill
     data = instantiate(d.data)
     tokenizer = target.tokenizer
     groups = {split: instantiate(cfg.data, split=split, limit=limit).load()
               for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))}
-    for name, synthesis in (d.get("synthetic") or {}).items():  # written by the target: more training prompts
+    if data.test_prompts != 0:
+        try:
+            groups["test"] = instantiate(cfg.data, split="test", limit=data.test_prompts).load()
+        except SpecPolicyError as err:
+            raise SpecPolicyError(f"{err}; or set distill.data.test_prompts=0 to report no test metrics") from None
+    held_out = [c for split in ("validation", "test") for c in groups.get(split, ())]
+    for name, synthesis in (d.get("synthetic") or {}).items() if train else ():  # written by the target
         if name in groups:
             raise SpecPolicyError(f"distill.synthetic.{name} clashes with the {name!r} prompts; rename the entry")
         written = instantiate(synthesis).conversations(target.model, tokenizer, cfg.paths.cache_dir, groups["train"])
-        groups[name] = [c for c in written if c not in groups["validation"]]  # held out stays held out
+        groups[name] = [c for c in written if c not in held_out]  # held out stays held out
         if len(groups[name]) < len(written):
-            log.info("distil: %d %s prompts equal validation prompts, dropped", len(written) - len(groups[name]), name)
+            log.info("distil: %d %s prompts equal held-out prompts, dropped", len(written) - len(groups[name]), name)
     fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
     prompts = {}
     for name, conversations in groups.items():
@@ -133,10 +168,11 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> Dis
             raise SpecPolicyError(f"every {name} prompt is longer than distill.max_length={d.max_length} tokens; "
                                   f"raise distill.max_length")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    val = prompts.pop("validation")
+    val, test = prompts.pop("validation"), prompts.pop("test", [])
+    prompts = prompts if train else {}
     return DistillDataModule(data, target.model, draft.model, prompts, val,
                              cfg.paths.cache_dir, d.batch_size, d.max_length, pad_id,
-                             cached_targets=d.target_probs == "cached", seed=cfg.seed)
+                             cached_targets=d.target_probs == "cached", seed=cfg.seed, test_prompts=test)
 
 
 def _trainer(cfg: DictConfig) -> L.Trainer:
@@ -145,7 +181,3 @@ def _trainer(cfg: DictConfig) -> L.Trainer:
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
     return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
-
-
-def _val(metrics: dict[str, float]) -> dict[str, float]:
-    return {k.removeprefix("val/"): float(v) for k, v in metrics.items()}

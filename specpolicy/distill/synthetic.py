@@ -9,7 +9,8 @@ draft's held-out agreement from 0.31 to 0.36 at equal steps (README, Distillatio
 Free samples repeat the few openings the model favours (45% of SmolLM2's start with "I'm": advice
 requests), none of them a translation, summary or extraction. With `opening_words=N` each message starts
 with the first N words of a random training prompt ("Translate the", "You are") and the target writes
-the rest: the real set's kinds of request, in new words.
+the rest: the real set's kinds of request, in new words. Added to the free ones on SmolLM2-135M, they
+tied on the validation prompts (agreement 0.351 vs 0.348) and gained 0.021 on the test prompts.
 
 The prompts are saved as a JSONL prompts file (`{"prompt": ...}` per line, the format
 `data.prompts_file` reads) under a key that hashes the target and these settings, and reloaded on reruns.
