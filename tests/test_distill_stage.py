@@ -174,3 +174,19 @@ def test_a_prompt_set_without_a_test_split_says_how_to_go_without(shared, tmp_pa
         _datamodule(cfg, target, instantiate(cfg.draft).build(target))
     cfg = _cfg(shared, "no_test", f"data.prompts_file={tmp_path / 'no_test.jsonl'}", "distill.data.test_prompts=0")
     assert "test" not in _datamodule(cfg, target, instantiate(cfg.draft).build(target)).held_out
+
+
+def test_prompts_that_are_also_held_out_are_not_trained_on(shared, tmp_path):
+    rows = [{"prompt": p, "split": "train" if i < 12 else "validation"} for i, p in enumerate(PROMPTS)]
+    rows += [{"prompt": PROMPTS[i], "split": "train"} for i in (12, 13)]  # two validation prompts listed as train too
+    (tmp_path / "overlap.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = _cfg(shared, "overlap", f"data.prompts_file={tmp_path / 'overlap.jsonl'}", "distill.data.test_prompts=0",
+               "distill.data.train_prompts=null")
+    target = instantiate(cfg.target, dtype="float32").load()
+    data = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    assert len(data.prompts["train"]) == 12  # all 14 train rows but the two held-out ones
+    unsplit = tmp_path / "unsplit.jsonl"  # no `split` column: the whole file is every split
+    unsplit.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    cfg = _cfg(shared, "overlap", f"data.prompts_file={unsplit}", "distill.data.train_prompts=8")  # = validation's 8
+    with pytest.raises(SpecPolicyError, match="every train prompt is also a validation or test prompt"):
+        _datamodule(cfg, target, instantiate(cfg.draft).build(target))

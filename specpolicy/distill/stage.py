@@ -142,20 +142,30 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
     data = instantiate(d.data)
     tokenizer = target.tokenizer
     groups = {split: instantiate(cfg.data, split=split, limit=limit).load()
-              for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))}
+              for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))
+              if train or split != "train"}
     if data.test_prompts != 0:
         try:
             groups["test"] = instantiate(cfg.data, split="test", limit=data.test_prompts).load()
         except SpecPolicyError as err:
             raise SpecPolicyError(f"{err}; or set distill.data.test_prompts=0 to report no test metrics") from None
-    held_out = [c for split in ("validation", "test") for c in groups.get(split, ())]
+    training = ["train"] if train else []
     for name, synthesis in (d.get("synthetic") or {}).items() if train else ():  # written by the target
         if name in groups:
             raise SpecPolicyError(f"distill.synthetic.{name} clashes with the {name!r} prompts; rename the entry")
-        written = instantiate(synthesis).conversations(target.model, tokenizer, cfg.paths.cache_dir, groups["train"])
-        groups[name] = [c for c in written if c not in held_out]  # held out stays held out
-        if len(groups[name]) < len(written):
-            log.info("distil: %d %s prompts equal held-out prompts, dropped", len(written) - len(groups[name]), name)
+        synthesis = instantiate(synthesis)
+        groups[name] = synthesis.conversations(target.model, tokenizer, cfg.paths.cache_dir, groups["train"])
+        training.append(name)
+    held_out = {json.dumps(c) for split in ("validation", "test") for c in groups.get(split, ())}
+    for name in training:  # held out stays held out; a prompts file without a `split` column is every split
+        kept = [c for c in groups[name] if json.dumps(c) not in held_out]
+        if len(kept) < len(groups[name]):
+            log.warning("distil: %d of %d %s prompts are also validation or test prompts; not trained on",
+                        len(groups[name]) - len(kept), len(groups[name]), name)
+        groups[name] = kept
+    if train and not groups["train"]:
+        raise SpecPolicyError("every train prompt is also a validation or test prompt (a prompts file without a "
+                              "`split` column serves every split); give its rows a `split`: train, validation or test")
     fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
     prompts = {}
     for name, conversations in groups.items():
@@ -169,7 +179,6 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
                                   f"raise distill.max_length")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     val, test = prompts.pop("validation"), prompts.pop("test", [])
-    prompts = prompts if train else {}
     return DistillDataModule(data, target.model, draft.model, prompts, val,
                              cfg.paths.cache_dir, d.batch_size, d.max_length, pad_id,
                              cached_targets=d.target_probs == "cached", seed=cfg.seed, test_prompts=test)
