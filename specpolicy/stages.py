@@ -124,5 +124,3 @@ def head(cfg: DictConfig) -> None:
 
 def _dataset(records: torch.Tensor) -> datasets.Dataset:
     return datasets.Dataset.from_dict({name: records[:, i].tolist() for i, name in enumerate(COLUMNS)})
-
-

@@ -180,5 +180,3 @@ def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[
         batch["topk_ids"] = torch.cat([torch.tensor(r["topk_ids"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
         batch["topk_logp"] = torch.cat([torch.tensor(r["topk_logp"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
     return batch
-
-

@@ -4,7 +4,7 @@ A chat model given its template up to the start of a user turn, and nothing else
 message: sampled, these are prompts from the distribution the model was tuned on, as many as one
 asks for, offline. The draft is short of prompts, not of positions per prompt, so these are the cheap
 way to grow its data when no hub is reachable: on SmolLM2-135M, 1081 such prompts raised a 4-layer
-draft's held-out agreement from 0.31 to 0.36 at equal steps (README, Distillation).
+draft's validation agreement from 0.31 to 0.36 at equal steps (README, Distillation).
 
 Free samples repeat the few openings the model favours (45% of SmolLM2's start with "I'm": advice
 requests), none of them a translation, summary or extraction. With `opening_words=N` each message starts
