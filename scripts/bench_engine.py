@@ -2,7 +2,8 @@
 
 Prints and saves JSON with, side by side in one process, interleaved over `bench.repeats` rounds:
   * the engine's `ar` vs `model.generate` tokens/s at each batch size (the baseline must be honest);
-  * `static` k with the configured draft vs transformers' assisted generation at batch 1.
+  * `static` k with the configured draft vs transformers' assisted generation at batch 1 (and vs the engine's
+    `ar`; a draft that fuses the target's features has no assisted generation to compare with).
 Each ratio is measured within every round and reported as the median over rounds with its range: on a
 shared machine a slow spell hits one round, and a ratio of two totals would still carry it.
 """
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 from specpolicy.cli import entry
 from specpolicy.data import encode_prompts
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
+from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import ArPolicy, StaticPolicy
 from specpolicy.stages import load_pair
 
@@ -37,6 +39,7 @@ def bench(cfg: DictConfig) -> None:
         tokens, wall = rounds[-1].setdefault(name, [0, 0.0])
         rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
 
+    assisted = not fuses_features(draft.model)
     engine.generate(prompts[:2], StaticPolicy(k=2))  # warm-up
     for _ in range(cfg.bench.repeats):
         rounds.append({})
@@ -50,12 +53,13 @@ def bench(cfg: DictConfig) -> None:
             for p in prompts:
                 r = engine.generate([p], StaticPolicy(k=k))
                 add(f"engine_static_k{k}@1", r.outputs, r.stats.wall_s)
-            add(f"hf_assisted_k{k}@1", *hf_assisted(target.model, draft.model, prompts, n_new, k, eos))
+            if assisted:
+                add(f"hf_assisted_k{k}@1", *hf_assisted(target.model, draft.model, prompts, n_new, k, eos))
     per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
     rates = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
     pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in cfg.bench.batch_sizes}
     pairs.update({f"engine_static_k{k}_vs_hf_assisted@1": (f"engine_static_k{k}@1", f"hf_assisted_k{k}@1")
-                  for k in cfg.bench.ks})
+                  for k in cfg.bench.ks if assisted})
     pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks})
     ratios, ranges = {}, {}
     for key, (a, b) in pairs.items():

@@ -25,6 +25,7 @@ from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import side_by_side, summarise
 from specpolicy.models import LoadedModel
+from specpolicy.models.fusion import fuses_features
 
 log = logging.getLogger("specpolicy")
 
@@ -81,12 +82,13 @@ def evaluate(cfg: DictConfig) -> None:
 
 def hf_rows(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel, prompts: list[list[int]],
             bs: int, ar: dict) -> list[dict]:
-    """transformers' generate at this batch size, and assisted generation at batch 1 (greedy only)."""
+    """transformers' generate at this batch size, and assisted generation at batch 1 (greedy only; not with a
+    draft that fuses the target's features, which `assistant_model=` cannot give it)."""
     if not cfg.eval.hf_baselines or engine.temperature > 0:
         return []
     eos, pad, n = target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id, engine.max_new_tokens
     timed = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos)}
-    if bs == 1:
+    if bs == 1 and not fuses_features(draft.model):
         timed["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, cfg.eval.hf_assisted_k, eos)
     rows = []
     for name, run in timed.items():

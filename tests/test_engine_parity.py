@@ -54,7 +54,10 @@ POLICIES: dict[str, Callable[[], DepthPolicy]] = {
     "learned": lambda: GoodputPolicy(synthetic.profile(), k=4,
                                      estimator=HeadEstimator(str(synthetic.head_dir(Path(tempfile.mkdtemp()))))),
 }
-DRAFT_LAYERS = {"partial": [0, 1, 2], "same": [0, 1, 2, 3]}
+# name: (target layers, fuses the target's features); "fused" reads features the target computed in an
+# earlier verify pass, so it checks that those stay aligned with the tokens as rows accept and roll back.
+# Its fusion layer mixes in 0.05 x the feature (it starts at 0): enough to change ~90% of its proposals.
+DRAFTS = {"partial": ([0, 1, 2], False), "same": ([0, 1, 2, 3], False), "fused": ([0, 1, 2, 3], True)}
 
 
 @dataclass
@@ -110,7 +113,10 @@ def pick_eos(refs: list[list[int]]) -> tuple[int, list[int]]:
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def case(request, tiny_model) -> Case:
     target = tiny_model(request.param)
-    drafts = {name: LayerSubsetDraft(layers=layers).build(target) for name, layers in DRAFT_LAYERS.items()}
+    drafts = {name: LayerSubsetDraft(layers, fuse).build(target) for name, (layers, fuse) in DRAFTS.items()}
+    weight = drafts["fused"].model.feature_fusion.proj.weight
+    with torch.no_grad():
+        weight[:, weight.shape[0]:] = 0.05 * torch.eye(weight.shape[0])
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     case = Case(target, drafts, prompts)
@@ -122,18 +128,18 @@ def case(request, tiny_model) -> Case:
 def settings(case: Case, draft: str) -> list[tuple[list[int], tuple[int, ...], int]]:
     """(rows, eos, max_new_tokens): batch 1, 3 and 8 with rows stopping early, no EOS, and 1 new token.
 
-    The identical draft (every draft accepted: bonus tokens, EOS inside the accepted drafts) runs the
-    batched settings only, to keep the suite fast.
+    The identical draft (every draft accepted: bonus tokens, EOS inside the accepted drafts) and the fused
+    one run the batched settings only, to keep the suite fast.
     """
     eos, first = (case.eos,), case.early[0]
     everyone = list(range(len(case.prompts)))
     three = [first, case.early[-1], *(r for r in everyone if r not in case.early)][:3]
-    if draft == "same":
+    if draft != "partial":
         return [(three, eos, N), (everyone, eos, N), (everyone, eos, 1)]
     return [([first], eos, N), (three, eos, N), (everyone, eos, N), (everyone, NO_EOS, N), (everyone, eos, 1)]
 
 
-@pytest.mark.parametrize("draft", sorted(DRAFT_LAYERS))
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_greedy_output_equals_transformers_generate(case: Case, policy: str, draft: str) -> None:
     for rows, eos, n in settings(case, draft):
@@ -179,7 +185,7 @@ class AlternatingPolicy(DepthPolicy):
         return depth
 
 
-@pytest.mark.parametrize("draft", sorted(DRAFT_LAYERS))
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
 def test_skipped_steps_keep_the_draft_cache_fresh(case: Case, draft: str) -> None:
     everyone = list(range(len(case.prompts)))
     for eos in ((case.eos,), NO_EOS):
@@ -241,3 +247,38 @@ def test_oracle_never_sends_a_rejected_token(case: Case) -> None:
     everyone = list(range(len(case.prompts)))
     stats = case.run("oracle", "partial", everyone, NO_EOS, N).stats
     assert 0 < stats.drafted == stats.accepted
+
+
+class FirstProposals(StaticPolicy):
+    """Static k that records, per step and row, the committed length and the draft's first proposal."""
+
+    def reset(self, batch_size: int) -> None:
+        self.seen: list[tuple[int, int, int]] = []  # (row, tokens generated, proposed token)
+
+    def keep(self, features, x_i: torch.Tensor, state: StepState, i: int):
+        if i == 1:
+            self.seen += zip(state.row_ids.tolist(), state.generated.tolist(), x_i.tolist())
+        return super().keep(features, x_i, state, i)
+
+
+def test_fused_draft_proposes_what_it_trains_on(case: Case) -> None:
+    """The engine feeds a fusing draft the same features distillation trains it with: its first proposal
+    at every step equals its prediction on the finished sequence with the target's shifted hidden states
+    (a feature off by one position, or a stale one after a rollback, changes the proposals)."""
+    from specpolicy.distill.data import hidden_states, masked_logits
+
+    fused, target = case.drafts["fused"].model, case.target.model
+    everyone = list(range(len(case.prompts)))
+    policy = FirstProposals(k=3)
+    result = case.run(policy, "fused", everyone, NO_EOS, N)
+    assert 0 < result.stats.accepted < result.stats.drafted  # rollbacks happen
+    rows = {}
+    for r in everyone:
+        seq = torch.tensor([case.prompts[r] + result.outputs[r]])
+        batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq).bool()}
+        with torch.no_grad():
+            batch["features"] = hidden_states(target, batch)
+            rows[r] = masked_logits(fused, batch).argmax(-1)  # [L]: the prediction at each position
+    assert len(policy.seen) > len(everyone)
+    for r, generated, proposed in policy.seen:
+        assert proposed == int(rows[r][len(case.prompts[r]) + generated - 1]), (r, generated)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
+from specpolicy.models.fusion import model_inputs
+
 
 class RaggedCache(Cache):
     """Per-row-length KV cache: buffers [B, H_kv, T, D] per layer, allocated on first use."""
@@ -63,10 +65,11 @@ class RaggedCache(Cache):
 
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
-    keep: torch.Tensor, max_position: int, rows: slice = slice(None),
-) -> torch.Tensor:
+    keep: torch.Tensor, max_position: int, rows: slice = slice(None), features: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `tokens` [B, W] of cache rows `rows` at per-row offsets `starts` [B]; return logits at positions
-    `keep` [B, K].
+    `keep` [B, K] and the final hidden states [B, W, d] (a fusing draft's features, `models.fusion`; it
+    also reads `features` [B, W, d]).
 
     Only the kept positions go through the LM head, so a long prefill does not pay W x vocab logits.
     The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only.
@@ -80,11 +83,11 @@ def forward(
     mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     hidden = model.base_model(
-        input_ids=tokens,
+        **model_inputs(model, tokens, features),
         attention_mask=mask[:, None],  # [B, 1, W, T]
         position_ids=positions.clamp(max=max_position),  # only padding slots are clamped
         cache=cache,
         use_cache=True,
     ).last_hidden_state  # [B, W, d]
     picked = hidden.gather(1, keep[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, K, d]
-    return model.get_output_embeddings()(picked).float()  # [B, K, V]
+    return model.get_output_embeddings()(picked).float(), hidden  # [B, K, V], [B, W, d]

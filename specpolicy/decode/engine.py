@@ -4,7 +4,9 @@ One step, for every row in flight:
   budget  the policy gives each row its maximum depth for the current batch load;
   draft   the draft first reads every committed token it has not seen (catching up after
           depth-0 steps, so its cache never goes stale), then proposes one token per position,
-          and the policy may stop any row after each position;
+          and the policy may stop any row after each position; a draft that fuses the target's
+          features (`models.fusion`) reads the feature the target computed before each committed
+          token, and its own last hidden state while it drafts;
           a row with many unseen tokens (a prompt) reads them alone first, so ragged prompts are
           never padded to the longest one;
   verify  the target reads the tokens it has not seen plus each row's drafts, in one pass;
@@ -30,6 +32,7 @@ from specpolicy.decode import sampling
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import context_length
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
@@ -48,6 +51,8 @@ class Rows:
     prompt_len: torch.Tensor
     row_ids: torch.Tensor  # index in the original batch
     seeds: torch.Tensor  # per-row random state (counter-based sampling)
+    feat: torch.Tensor  # [A, cap + 1, d]: feat[:, j] is the target's hidden state at j - 1, which a fusing
+    # draft reads with token j (valid for j <= t_len; zeros at 0); [A, 0] when the draft fuses none
 
     def select(self, keep: torch.Tensor) -> None:
         for f in fields(self):
@@ -91,6 +96,7 @@ class Engine:
         self.vocab = target.get_output_embeddings().weight.shape[0]
         self.t_flops = FlopModel.from_model(target)
         self.d_flops = FlopModel.from_model(draft) if draft is not None else None
+        self.fuse = fuses_features(draft)
 
     # ---------------------------------------------------------------- public
     @torch.inference_mode()
@@ -136,7 +142,12 @@ class Engine:
         length, zeros, ids = torch.tensor([len(p) for p in prompts]), torch.zeros(A, dtype=torch.long), torch.arange(A)
         state = dict(seq=seq, length=length, t_len=zeros, d_len=zeros, generated=zeros, prompt_len=length,
                      row_ids=ids, seeds=self.seed * 1_000_003 + ids)
-        return Rows(**{k: v.to(self.device, copy=True) for k, v in state.items()})
+        rows = Rows(**{k: v.to(self.device, copy=True) for k, v in state.items()},
+                    feat=torch.zeros(A, 0, device=self.device))
+        if self.fuse and K:
+            rows.feat = torch.zeros(A, cap + 1, self.target.config.hidden_size, dtype=self.target.dtype,
+                                    device=self.device)
+        return rows
 
     # ---------------------------------------------------------------- one step
     def _step(self, rows: Rows, host: dict, caches: tuple, policy: DepthPolicy, stats: DecodeStats,
@@ -145,6 +156,8 @@ class Engine:
         remaining = self.max_new_tokens - rows.generated
         with stats.deciding():
             budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes
+        if self.fuse and bool((host["t_len"] + 1 < host["length"]).any()):  # the first step: the target has not
+            budget = torch.zeros_like(budget)  # read the prompts, and a fusing draft must not read them without features
         depth = int(budget.max())
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
@@ -170,7 +183,10 @@ class Engine:
         stats.draft_forwards += self._read_alone(self.draft, cache, rows, host, "d_len", stats)
         unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
         width = int((host["length"] - host["d_len"]).max())
-        logits = self._read(self.draft, cache, rows, rows.d_len, width, (unseen - 1)[:, None], host["d_len"].max())[:, 0]
+        logits, hidden = self._read(self.draft, cache, rows, rows.d_len, width, (unseen - 1)[:, None],
+                                    host["d_len"].max())
+        own = hidden.gather(1, (unseen - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [A, 1, d]
+        logits = logits[:, 0]
         stats.draft_forwards += 1
         tokens, dists = [], []
         drafting = budget > 0
@@ -191,8 +207,9 @@ class Engine:
             dists.append(p_i)
             if i == depth or (decides is not None and not bool(drafting.any())):
                 break
-            logits = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
-                                host["length"].max() + i - 1, token=x_i)[:, 0]
+            logits, own = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
+                                     host["length"].max() + i - 1, token=x_i, feat=own)
+            logits = logits[:, 0]
             stats.draft_forwards += 1
         p = torch.stack(dists, 1) if self.temperature > 0 else None
         return torch.stack(tokens, 1), p, n_draft, len(tokens) - 1
@@ -207,7 +224,8 @@ class Engine:
         unseen = rows.length - rows.t_len  # [A] >= 1 (the whole prompt on the first step)
         width = int((host["length"] - host["t_len"]).max()) + k
         keep = (unseen - 1)[:, None] + torch.arange(k + 1, device=self.device)  # [A, k+1]
-        logits = self._read(self.target, cache, rows, rows.t_len, width, keep, host["t_len"].max())
+        logits, hidden = self._read(self.target, cache, rows, rows.t_len, width, keep, host["t_len"].max())
+        self._store(rows, slice(None), rows.t_len, hidden)
         stats.target_forwards += 1
         return logits
 
@@ -223,8 +241,12 @@ class Engine:
         alone = [b for b, n in enumerate(behind) if n >= self.solo_above]
         for b in alone:
             start, n = int(done[b]), behind[b]
-            forward(model, cache, rows.seq[b : b + 1, start : start + n], getattr(rows, seen)[b : b + 1], start + n,
-                    rows.seq.new_zeros(1, 0), self.context - 1, rows=slice(b, b + 1))
+            row = slice(b, b + 1)
+            feat = rows.feat[row, start : start + n] if model is self.draft and self.fuse else None
+            _, hidden = forward(model, cache, rows.seq[row, start : start + n], getattr(rows, seen)[row], start + n,
+                                rows.seq.new_zeros(1, 0), self.context - 1, rows=row, features=feat)
+            if model is self.target:
+                self._store(rows, row, getattr(rows, seen)[row], hidden)
             read = torch.tensor([n])
             stats.flops += flops.buckets(done[b : b + 1], n, start + n, read, read)
             if seen == "t_len":
@@ -234,15 +256,29 @@ class Engine:
         return len(alone)
 
     def _read(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, starts: torch.Tensor, width: int,
-              keep: torch.Tensor, max_start: torch.Tensor, token: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward `width` tokens per row from `starts` (from rows.seq, or `token` [A] when given); logits at
-        chunk positions `keep` [A, K]."""
+              keep: torch.Tensor, max_start: torch.Tensor, token: torch.Tensor | None = None,
+              feat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward `width` tokens per row from `starts` (from rows.seq, or `token` [A] when given, which a fusing
+        draft reads with `feat` [A, 1, d]); logits at chunk positions `keep` [A, K], hidden states [A, width, d]."""
         if token is None:
             index = (starts[:, None] + torch.arange(width, device=self.device)).clamp(max=rows.seq.shape[1] - 1)
             chunk = rows.seq.gather(1, index)
+            if model is self.draft and self.fuse:
+                feat = rows.feat.gather(1, index[:, :, None].expand(-1, -1, rows.feat.shape[-1]))
         else:
             chunk = token[:, None]
-        return forward(model, cache, chunk, starts, int(max_start) + width, keep.clamp(max=width - 1), self.context - 1)
+        return forward(model, cache, chunk, starts, int(max_start) + width, keep.clamp(max=width - 1), self.context - 1,
+                       features=feat)
+
+    def _store(self, rows: Rows, row: slice, starts: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep the target's hidden states [B, W, d] of a forward from `starts` [B] for a fusing draft (the
+        state at position p is read with token p + 1). Slots past a row's valid tokens are overwritten by a
+        later verify before the draft reads them; those past the buffer land in its last, unread slot."""
+        if not rows.feat.numel():
+            return
+        feat = rows.feat[row]
+        index = (starts[:, None] + 1 + torch.arange(hidden.shape[1], device=self.device)).clamp(max=feat.shape[1] - 1)
+        feat.scatter_(1, index[:, :, None].expand(-1, -1, feat.shape[2]), hidden.to(feat.dtype))
 
     def _commit(self, rows: Rows, drafts: torch.Tensor, n_acc: torch.Tensor, token: torch.Tensor,
                 n_draft: torch.Tensor, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,8 +290,9 @@ class Engine:
         hit = eos.any(1)
         n_new = torch.where(hit, eos.long().argmax(1) + 1, n_acc + 1)  # [A] tokens committed
         rows.seq.scatter_(1, (rows.length[:, None] + j).clamp(max=rows.seq.shape[1] - 1), new)
-        if k:  # the draft read every unseen committed token, then x_1..x_fed: those the target kept stay valid
-            rows.d_len = rows.length + n_acc.clamp(max=fed).minimum(n_draft)
+        if k:  # the draft read every unseen committed token, then x_1..x_fed: those the target kept stay valid,
+            # unless the draft fuses features: it read them with its own, and rereads them with the target's
+            rows.d_len = rows.length + (0 if self.fuse else n_acc.clamp(max=fed).minimum(n_draft))
         rows.t_len = rows.length + n_acc
         rows.length = rows.length + n_new
         rows.generated = rows.generated + n_new

@@ -9,6 +9,8 @@ import time
 import torch
 from transformers import PreTrainedModel
 
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models.fusion import fuses_features
 from specpolicy.runtime import synchronize
 
 
@@ -47,6 +49,9 @@ def assisted_settings(k: int) -> dict:
 def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int,
                 k: int, eos_id: int | list[int] | None) -> tuple[list[list[int]], float]:
     """Greedy assisted generation (`assistant_model=`), one prompt at a time (it supports batch 1 only)."""
+    if fuses_features(draft):
+        raise SpecPolicyError("transformers' assisted generation cannot pass a draft the target's features; "
+                              "compare a feature-fusing draft with the engine's policies only")
     settings = assisted_settings(k)
     draft.generation_config.update(**settings)
 

@@ -2,7 +2,7 @@
 
 Every draft source has `build(target) -> LoadedModel`, so `conf/draft/*.yaml` can swap how the draft
 is made without the pipeline knowing: a subset of the target's layers (any indices, sharing its
-embedding, final norm and head), a fresh small model of the target's family (`FreshDraft`), or a
+embedding, final norm and head; optionally reading the target's features, `models.fusion`), a fresh small model of the target's family (`FreshDraft`), or a
 pretrained model (hub id, HF folder, GGUF; e.g. a distilled draft). `describe_cost` prints what a draft
 token costs relative to a target token, analytically and measured, when a draft is built.
 """
@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from specpolicy.cost.flops import FlopModel
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.compat import check_compatible
+from specpolicy.models.fusion import attach_fusion, model_inputs
 from specpolicy.models.loading import LoadedModel, PretrainedSource
 from specpolicy.models.vocab import load_vocab, use_subset_head
 
@@ -37,9 +38,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 @dataclass
 class LayerSubsetDraft:
-    """The target's embedding, final norm and head around a subset of its layers (e.g. [0, 1, -2, -1])."""
+    """The target's embedding, final norm and head around a subset of its layers (e.g. [0, 1, -2, -1]);
+    with `fuse_features`, an EAGLE-style draft that also reads the target's last hidden states (e.g. [-1])."""
 
     layers: list[int]
+    fuse_features: bool = False
 
     def build(self, target: LoadedModel) -> LoadedModel:
         source = decoder_layers(target.model)
@@ -61,9 +64,12 @@ class LayerSubsetDraft:
         for new_idx, layer in enumerate(picked):
             state.update({f"{prefix}{new_idx}.{k}": v for k, v in layer.state_dict().items()})
         draft.load_state_dict(state, strict=True)
+        if self.fuse_features:
+            attach_fusion(draft)
         draft.eval().requires_grad_(False)
         indices = [i % n for i in self.layers]
-        built = LoadedModel(draft, target.tokenizer, f"{target.name}-layers{'_'.join(map(str, indices))}")
+        kind = "fused" if self.fuse_features else "layers"
+        built = LoadedModel(draft, target.tokenizer, f"{target.name}-{kind}{'_'.join(map(str, indices))}")
         built.cost = describe_cost(target, built)
         return built
 
@@ -194,17 +200,22 @@ def _decode_latency_ms(models: list[torch.nn.Module], context: int, repeats: int
 
     device = next(models[0].parameters()).device
     ids = torch.randint(0, models[0].config.vocab_size, (1, context + 1), device=device)
+    features = torch.zeros(1, context + 1, models[0].config.hidden_size, device=device, dtype=models[0].dtype)
+
+    def inputs(model: torch.nn.Module, span: slice) -> dict:  # a fusing draft also reads (and pays for) features
+        return model_inputs(model, ids[:, span], features[:, span])
+
     caches = []
     for model in models:
         cache = DynamicCache(config=model.config)
-        model(ids[:, :context], cache=cache, use_cache=True)
+        model(**inputs(model, slice(context)), cache=cache, use_cache=True)
         caches.append(cache)
     times = [[] for _ in models]
     for r in range(repeats + 2):  # two warm-up rounds, then interleaved timed rounds
         for model, cache, out in zip(models, caches, times):
             synchronize(device)
             t0 = time.perf_counter()
-            model(ids[:, context:], cache=cache, use_cache=True)
+            model(**inputs(model, slice(context, None)), cache=cache, use_cache=True)
             synchronize(device)
             if r >= 2:
                 out.append(time.perf_counter() - t0)

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.fusion import load_fusion
 from specpolicy.models.tiny import byte_tokenizer
 from specpolicy.runtime import resolve_device, resolve_dtype
 
@@ -147,6 +148,7 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        load_fusion(model, path)  # a feature-fusing draft's extra layer (models.fusion)
     except OSError as err:
         raise SpecPolicyError(
             f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
