@@ -190,3 +190,34 @@ def test_prompts_that_are_also_held_out_are_not_trained_on(shared, tmp_path):
     cfg = _cfg(shared, "overlap", f"data.prompts_file={unsplit}", "distill.data.train_prompts=8")  # = validation's 8
     with pytest.raises(SpecPolicyError, match="every train prompt is also a validation or test prompt"):
         _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+
+
+def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):
+    """draft=fused: the target's hidden states are cached beside the training data, the fusion layer
+    learns to read them, and the saved folder reloads as the same fusing draft that decodes losslessly."""
+    from specpolicy.decode import Engine
+    from specpolicy.models.draft import PretrainedDraft
+    from specpolicy.models.fusion import fuses_features
+    from specpolicy.models.loading import PretrainedSource
+    from specpolicy.policy import StaticPolicy
+
+    cfg = _cfg(shared, "fused", "draft_layers=[-1]", "draft_fuse_features=true", "distill.feature_loss=1.0",
+               "trainer.max_steps=4")
+    distil(cfg)
+    m = _metrics(shared, "fused")
+    assert "-fused" in m["draft"] and m["after"]["loss"] < m["before"]["loss"]
+    assert list((shared / "cache" / "distill").glob("train-*-features"))
+    folder = shared / "fused" / "tiny" / "draft"
+    target = instantiate(cfg.target).load()
+    draft = PretrainedDraft(PretrainedSource(str(folder), device="cpu")).build(target)
+    assert fuses_features(draft.model)
+    trained = draft.model.feature_fusion.proj.weight
+    hidden = trained.shape[0]
+    assert trained[:, hidden:].abs().sum() > 0  # it reads the features now (they start ignored)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    engine = Engine(target.model, draft.model, max_new_tokens=6)
+    plain = [target.model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+             for p in prompts]
+    assert engine.generate(prompts, StaticPolicy(k=2)).outputs == plain
+    with pytest.raises(SpecPolicyError, match="distill.data.source=target"):
+        distil(_cfg(shared, "fused_draft_data", "draft_fuse_features=true", "distill.data.source=draft"))

@@ -29,12 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.fusion import model_inputs, shift, unwrap
 from specpolicy.models.vocab import SubsetHead
 
 log = logging.getLogger(__name__)
@@ -145,12 +147,45 @@ def score(target: PreTrainedModel, rows: dict[str, list], top_k: int, batch_size
     return all_ids, all_logp
 
 
-def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+@torch.inference_mode()
+def featurize(target: PreTrainedModel, path: Path, batch_size: int, desc: str) -> Path:
+    """The target's final hidden state at every token of each row of the dataset at `path` (what a fusing
+    draft reads, `specpolicy.models.fusion`), as fp16 bytes [len, d] per row in a dataset cached beside it.
+    Rows go through in order of length, so a batch pads little."""
+    out = path.with_name(path.name + "-features")
+    if (out / "dataset_info.json").exists():
+        return out
+    ids = datasets.load_from_disk(str(path))["input_ids"]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    features: list[bytes] = [b""] * len(ids)
+    for start in tqdm(range(0, len(ids), batch_size), desc=desc, unit="batch"):
+        picked = order[start:start + batch_size]
+        batch = collate_rows([{"input_ids": ids[i], "prompt_len": len(ids[i])} for i in picked], 0, None)
+        hidden = hidden_states(target, {k: v.to(target.device) for k, v in batch.items()})
+        for i, h in zip(picked, hidden):
+            features[i] = h[: len(ids[i])].half().cpu().numpy().tobytes()
+    with atomic_path(out) as tmp:
+        datasets.Dataset.from_dict({"features": features}).save_to_disk(str(tmp))
+    return out
+
+
+def hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden states [B, L, d] of a batch; a fusing draft reads the target's, `batch["features"]`, each
+    token j with the target's state at j - 1."""
+    hf = unwrap(model)  # a peft model wraps the HF one
+    features = batch.get("features")
+    inputs = model_inputs(hf, batch["input_ids"], None if features is None else shift(features))
+    return hf.base_model(**inputs, attention_mask=batch["attention_mask"]).last_hidden_state
+
+
+def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor],
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Logits at the positions of `loss_mask` only, in row-major order: [N, V], or [N, n] over the tokens
     of a draft's `SubsetHead`. The LM head over a 49k vocabulary is the largest matmul of a small draft,
-    so it is not run on prompt tokens (nor, with a subset head, on tokens the draft never proposes)."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model wraps the HF one
-    hidden = hf.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    so it is not run on prompt tokens (nor, with a subset head, on tokens the draft never proposes).
+    `hidden`: the model's hidden states when the caller has them already."""
+    hf = unwrap(model)
+    hidden = hidden_states(hf, batch) if hidden is None else hidden
     head = hf.get_output_embeddings()
     return (head.scores if isinstance(head, SubsetHead) else head)(hidden[batch["loss_mask"]])  # [N, H] -> [N, V|n]
 
@@ -160,7 +195,8 @@ def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[
     tokens, or every token from index `loss_from` where a row has that column (`prompt_loss`).
 
     With cached targets, `topk_ids`/`topk_logp` [N, k] follow the same row-major order as
-    `input_ids[loss_mask]`, truncated with the sequence at `max_length`.
+    `input_ids[loss_mask]`, truncated with the sequence at `max_length`. Rows with cached target
+    `features` (`featurize`) give `features` [B, L, d], the target's final hidden state at each position.
     """
     seqs = [r["input_ids"][:max_length] for r in rows]
     B, L = len(seqs), max(map(len, seqs))
@@ -179,4 +215,10 @@ def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[
         k = len(rows[0]["topk_ids"][0])
         batch["topk_ids"] = torch.cat([torch.tensor(r["topk_ids"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
         batch["topk_logp"] = torch.cat([torch.tensor(r["topk_logp"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
+    if "features" in rows[0]:
+        hidden = [np.frombuffer(r["features"], np.float16).reshape(len(r["input_ids"]), -1) for r in rows]
+        padded = torch.zeros(B, L, hidden[0].shape[1])
+        for b, (h, seq) in enumerate(zip(hidden, seqs)):
+            padded[b, : len(seq)] = torch.from_numpy(h[: len(seq)].astype(np.float32))
+        batch["features"] = padded
     return batch

@@ -16,14 +16,16 @@ from typing import Callable
 
 import datasets
 import torch
+import torch.nn.functional as F
 from lightning import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, Sampler
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
-from specpolicy.distill.data import DistillData, collate_rows, masked_logits
+from specpolicy.distill.data import DistillData, collate_rows, featurize, hidden_states, masked_logits
 from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.fusion import fuses_features
 from specpolicy.models.vocab import subset_of
 
 VAL, TEST = "validation", "test"  # held-out sets: settings are chosen on VAL; TEST is only reported
@@ -35,12 +37,15 @@ class DistillModule(LightningModule):
     """Trains `draft` (full or LoRA) to match the frozen `target`; only the draft is saved in checkpoints."""
 
     def __init__(self, draft: PreTrainedModel, target: PreTrainedModel, loss: Divergence,
-                 optimizer: Callable, scheduler: Callable | None = None, temperature: float = 1.0):
+                 optimizer: Callable, scheduler: Callable | None = None, temperature: float = 1.0,
+                 feature_loss: float = 0.0):
+        """`feature_loss`: weight of a fusing draft's hidden-state regression onto the target's (EAGLE's
+        main loss), added to the divergence; its own next features are what the draft reads while drafting."""
         super().__init__()
         self.draft = draft
         # Not a submodule: the frozen target stays out of every checkpoint, the optimizer and DDP's sync.
         object.__setattr__(self, "target", target.eval().requires_grad_(False))
-        self.loss_fn, self.temperature = loss, temperature
+        self.loss_fn, self.temperature, self.feature_loss = loss, temperature, feature_loss
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
         self.eval_metrics = torch.nn.ModuleDict({stage: torch.nn.ModuleDict({k: MeanMetric() for k in METRICS})
                                                  for stage in ("val", "test")})
@@ -54,18 +59,29 @@ class DistillModule(LightningModule):
     def on_test_start(self) -> None:
         self.target.to(self.device)
 
-    def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """At the response positions: draft logits and target log-probs (temperature 1) over the tokens the
-        draft scores, [N, V] or [N, n] with a subset head (the target's restricted, not renormalised), and
-        the target's top-1 token [N]."""
-        p_logits = masked_logits(self.draft, batch)
+        draft scores, [N, V] or [N, n] with a subset head (the target's restricted, not renormalised), the
+        target's top-1 token [N], and for a fusing draft the smooth-L1 distance of its final hidden states from
+        the target's (else None). A fusing draft reads the target's features: cached with the training data,
+        else (held-out sets, `target_probs=online`) from the same target pass as the target's logits."""
+        target_hidden = None
+        fuses = fuses_features(self.draft)
+        if fuses and "features" not in batch:
+            with torch.no_grad():
+                target_hidden = hidden_states(self.target, batch)
+            batch = {**batch, "features": target_hidden}
+        hidden = hidden_states(self.draft, batch)
+        p_logits = masked_logits(self.draft, batch, hidden)
+        mask = batch["loss_mask"]
+        regression = F.smooth_l1_loss(hidden[mask], batch["features"][mask].to(hidden.dtype)) if fuses else None
         vocab = subset_of(self.draft)
         if "topk_ids" in batch:  # cached when the data was generated; top-k sorted, so column 0 is the argmax
             q_logp = dense_from_topk(batch["topk_ids"], batch["topk_logp"], self.target.config.vocab_size, vocab)
-            return p_logits, q_logp, batch["topk_ids"][:, 0].long()
+            return p_logits, q_logp, batch["topk_ids"][:, 0].long(), regression
         with torch.no_grad():  # on the fly
-            full = log_probs(masked_logits(self.target, batch))
-        return p_logits, full if vocab is None else full[:, vocab], full.argmax(-1)
+            full = log_probs(masked_logits(self.target, batch, target_hidden))
+        return p_logits, full if vocab is None else full[:, vocab], full.argmax(-1), regression
 
     def _loss(self, p_logits: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
         """Mean divergence over response tokens; the target renormalised over the draft's tokens at temperature
@@ -74,9 +90,12 @@ class DistillModule(LightningModule):
         return self.loss_fn(log_probs(p_logits, T), log_probs(q_logp, T)).mean()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        p_logits, q_logp, _ = self._distributions(batch)
+        p_logits, q_logp, _, regression = self._distributions(batch)
         loss = self._loss(p_logits, q_logp)
         self.log("train/loss", loss, prog_bar=True)
+        if regression is not None and self.feature_loss:
+            self.log("train/feature_loss", regression)
+            loss = loss + self.feature_loss * regression
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -86,7 +105,7 @@ class DistillModule(LightningModule):
         self._evaluate(batch, "test")
 
     def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
-        p_logits, q_logp, q_top1 = self._distributions(batch)
+        p_logits, q_logp, q_top1, _ = self._distributions(batch)
         vocab = subset_of(self.draft)
         p_top1 = p_logits.argmax(-1)
         n = p_logits.shape[0]
@@ -140,7 +159,8 @@ class DistillDataModule(LightningDataModule):
     held-out prompts (`test_prompts` may be empty: then there is no test set).
 
     `train_prompts` are named groups (the prompt set's train split, synthetic prompts), each generated
-    and cached on its own, so adding or resizing one group does not regenerate the others.
+    and cached on its own, so adding or resizing one group does not regenerate the others. A draft that
+    fuses the target's features gets them cached beside each group's cached targets (`featurize`).
     """
 
     def __init__(self, data: DistillData, target: PreTrainedModel, draft: PreTrainedModel,
@@ -155,6 +175,10 @@ class DistillDataModule(LightningDataModule):
         self.top_k = data.top_k if cached_targets else 0
         if cached_targets and not data.top_k:
             raise SpecPolicyError("distill.target_probs=cached needs distill.data.top_k > 0")
+        self.features = fuses_features(draft) and cached_targets
+        if fuses_features(draft) and data.source == "draft":
+            raise SpecPolicyError("a draft that fuses the target's features cannot write responses on its own; "
+                                  "set distill.data.source=target")
         self.collate = partial(collate_rows, pad_id=pad_id, max_length=max_length)
         self._paths: dict[str, Path] = {}
         self.sets: dict[str, datasets.Dataset] = {}
@@ -166,6 +190,9 @@ class DistillDataModule(LightningDataModule):
             held_out = replace(self.data, source="target", temperature=0.0, samples_per_prompt=1, prompt_loss=False)
             self._paths = {name: self.data.build(self.target, generator, prompts, self.top_k, self.cache_dir, name)
                            for name, prompts in self.prompts.items()}
+            if self.features:
+                self._paths |= {f"{name}-features": featurize(self.target, self._paths[name], self.data.batch_size,
+                                                              f"target features of {name}") for name in self.prompts}
             for name, prompts in self.held_out.items():
                 self._paths[name] = held_out.build(self.target, self.target, prompts, 0, self.cache_dir, name)
         return self._paths
@@ -174,6 +201,9 @@ class DistillDataModule(LightningDataModule):
         """{"train": every training group's rows, concatenated; "validation" and "test": the held-out rows}."""
         paths = self._build()
         train = [datasets.load_from_disk(str(paths[name])) for name in self.prompts]
+        if self.features:  # one more column, row for row
+            train = [datasets.concatenate_datasets([rows, datasets.load_from_disk(str(paths[f"{name}-features"]))],
+                                                   axis=1) for rows, name in zip(train, self.prompts)]
         return {**({"train": datasets.concatenate_datasets(train)} if train else {}),
                 **{name: datasets.load_from_disk(str(paths[name])) for name in self.held_out}}
 

@@ -22,6 +22,7 @@ from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import describe_cost
+from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import save_model
 from specpolicy.models.vocab import VOCAB_FILE, frequent_tokens, restore_full_head, use_subset_head, vocab_file_text
 
@@ -47,7 +48,7 @@ def distil(cfg: DictConfig) -> None:
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
-                           temperature=d.temperature)
+                           temperature=d.temperature, feature_loss=d.feature_loss)
     trainer = _trainer(cfg)
     before = _held_out(trainer, module, datamodule)
     start = time.perf_counter()
@@ -131,6 +132,9 @@ def _trainable(model, d: DictConfig):
         model.get_output_embeddings().requires_grad_(False)
     if d.get("lora"):
         from peft import get_peft_model
+
+        if fuses_features(model):
+            raise SpecPolicyError("LoRA would leave a feature-fusing draft's fusion layer untrained; unset distill.lora")
 
         model = get_peft_model(model, instantiate(d.lora))
     return model
