@@ -1,11 +1,15 @@
-"""Held-out metrics of a saved draft, as the distil stage measures them:
+"""Held-out metrics of a saved draft, as the distil stage measures them, and as the engine decodes with it:
 
     python scripts/draft_metrics.py experiment=smollm2_135m_long [overrides]
     python scripts/draft_metrics.py draft@trained_draft=pretrained trained_draft.source.path=DIR_OR_HUB_ID
+    python scripts/draft_metrics.py experiment=... +decode_depth=4 engine.max_new_tokens=64
 
 Greedy agreement and expected acceptance of `trained_draft` (the experiment's distilled draft by default)
 on the validation prompts (what distillation settings are chosen on) and the test prompts (what evaluate
-decodes; never tuned on). Needs no training data. Prints JSON and writes it to
+decodes; never tuned on). Agreement scores a draft's first token after the target's context only; past
+it a draft reads its own guesses (a fusing draft its own hidden states too), so under "decoded" the
+engine decodes the validation prompts greedily at static depth `decode_depth` (default 4, batch 8) and
+reports the acceptance at each draft position. Needs no training data. Prints JSON and writes it to
 `checkpoints/<experiment>/draft_held_out.json`.
 """
 
@@ -14,17 +18,41 @@ import os
 from pathlib import Path
 
 import hydra
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpolicy.atomic import atomic_path
 from specpolicy.cli import entry
-from specpolicy.distill.stage import held_out_metrics
+from specpolicy.data import encode_prompts
+from specpolicy.distill.stage import held_out_metrics, saved_pair
+from specpolicy.models import LoadedModel
+from specpolicy.policy import StaticPolicy
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
+def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size: int = 8) -> dict:
+    """Acceptance by draft position when the engine decodes the validation prompts at a static depth."""
+    depth = cfg.get("decode_depth", 4)
+    engine = instantiate(cfg.engine)(target.model, draft.model)
+    conversations = instantiate(cfg.data, split="validation", limit=cfg.distill.data.val_prompts).load()
+    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
+    counts, row_steps = {"drafted_at": 0, "reached_at": 0, "accepted_at": 0}, 0
+    for i in range(0, len(prompts), batch_size):
+        stats = engine.generate(prompts[i : i + batch_size], StaticPolicy(k=depth)).stats
+        counts = {name: n + getattr(stats, name) for name, n in counts.items()}
+        row_steps += stats.row_steps
+    return {"depth": depth, "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
+            "mean_accepted": 1 + float(counts["accepted_at"].sum()) / row_steps,  # tau: per row and verify step
+            **{name: n.tolist() for name, n in counts.items()},
+            # P(position i accepted | the draft proposed it and the target kept positions 1..i-1)
+            "conditional_at": [round(a / max(r, 1), 4) for a, r in zip(counts["accepted_at"].tolist(),
+                                                                        counts["reached_at"].tolist())]}
+
+
 def report(cfg: DictConfig) -> None:
-    text = json.dumps(held_out_metrics(cfg), indent=2)
+    target, draft = saved_pair(cfg)
+    text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft)}, indent=2)
     print(text)
     with atomic_path(Path(cfg.paths.experiment_dir) / "draft_held_out.json") as tmp:
         tmp.write_text(text)

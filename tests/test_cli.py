@@ -77,6 +77,10 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     for got, want in ((measured, distilled), (measured["test"], distilled["test"])):  # the saved draft: as distilled
         assert got["agreement"] == pytest.approx(want["agreement"], abs=1e-6)
         assert got["expected_acceptance"] == pytest.approx(want["expected_acceptance"], abs=1e-5)
+    decoded = measured["decoded"]  # static depth 4: the engine's counts per draft position
+    assert len(decoded["conditional_at"]) == decoded["depth"] == 4 and decoded["reached_at"][0] > 0
+    assert all(a <= r <= d for a, r, d in zip(decoded["accepted_at"], decoded["reached_at"], decoded["drafted_at"]))
+    assert all(r <= a for r, a in zip(decoded["reached_at"][1:], decoded["accepted_at"]))  # i reached: i-1 kept
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((exp / "report" / "report.json").read_text())

@@ -27,6 +27,7 @@ class DecodeStats:
     accepted: int = 0
     drafted_at: torch.Tensor = field(init=False)  # [max_depth] rows that drafted position i+1
     accepted_at: torch.Tensor = field(init=False)  # [max_depth] rows whose position i+1 was accepted
+    reached_at: torch.Tensor = field(init=False)  # [max_depth] rows that drafted position i+1 and had 1..i accepted
     depth_at_load: torch.Tensor = field(init=False)  # [batch_size+1] drafted tokens summed by rows in flight
     steps_at_load: torch.Tensor = field(init=False)  # [batch_size+1] row-steps by rows in flight
     flops: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # BUCKETS
@@ -35,6 +36,7 @@ class DecodeStats:
     def __post_init__(self) -> None:
         self.drafted_at = torch.zeros(self.max_depth, dtype=torch.long)
         self.accepted_at = torch.zeros(self.max_depth, dtype=torch.long)
+        self.reached_at = torch.zeros(self.max_depth, dtype=torch.long)
         self.depth_at_load = torch.zeros(self.batch_size + 1, dtype=torch.long)
         self.steps_at_load = torch.zeros(self.batch_size + 1, dtype=torch.long)
 
@@ -47,6 +49,7 @@ class DecodeStats:
         positions = torch.arange(1, self.max_depth + 1)
         self.drafted_at += (drafted[:, None] >= positions).sum(0)
         self.accepted_at += (accepted[:, None] >= positions).sum(0)
+        self.reached_at += ((drafted[:, None] >= positions) & (accepted[:, None] >= positions - 1)).sum(0)
         self.depth_at_load[drafted.numel()] += drafted.sum()
         self.steps_at_load[drafted.numel()] += drafted.numel()
 
@@ -85,6 +88,6 @@ class DecodeStats:
             "steps": self.steps, "policy_s": self.policy_s,
             "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
             "mean_depth": self.mean_depth, "drafted_at": self.drafted_at.tolist(),
-            "accepted_at": self.accepted_at.tolist(), "flops": self.flops_dict(),
+            "accepted_at": self.accepted_at.tolist(), "reached_at": self.reached_at.tolist(), "flops": self.flops_dict(),
             "depth_at_load": self.depth_at_load.tolist(), "steps_at_load": self.steps_at_load.tolist(),
         }

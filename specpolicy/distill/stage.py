@@ -79,12 +79,16 @@ def distil(cfg: DictConfig) -> None:
                  after["test"]["agreement"], after["test"]["expected_acceptance"])
 
 
-def held_out_metrics(cfg: DictConfig) -> dict:
-    """`distil`'s validation and test metrics for a saved draft (`trained_draft`: the experiment's distilled
-    draft, or `draft@trained_draft=pretrained trained_draft.source.path=...`), without its training data:
-    for drafts distilled before the test split existed, or made elsewhere. scripts/draft_metrics.py prints it."""
+def saved_pair(cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
+    """The target and a saved draft (`trained_draft`: the experiment's distilled draft, or
+    `draft@trained_draft=pretrained trained_draft.source.path=...`) in fp32, as distillation measures them."""
     target = instantiate(cfg.target, dtype="float32").load()
-    draft = instantiate(cfg.trained_draft, source={"dtype": "float32"}).build(target)
+    return target, instantiate(cfg.trained_draft, source={"dtype": "float32"}).build(target)
+
+
+def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> dict:
+    """`distil`'s validation and test metrics for a saved draft, without its training data: for drafts
+    distilled before the test split existed, or made elsewhere. scripts/draft_metrics.py prints it."""
     module = DistillModule(draft.model, target.model, loss=instantiate(cfg.distill.loss), optimizer=None,
                            temperature=cfg.distill.temperature)
     trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
