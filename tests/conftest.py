@@ -14,6 +14,10 @@ from specpolicy.models import LoadedModel, RandomInitSource
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Where tiny models live: CPU in CI; SPECPOLICY_TEST_DEVICE=cuda runs the engine's exactness tests on a GPU
+# (tests/test_engine_parity.py and tests/test_engine_sampling.py place their tensors on this device).
+DEVICE = torch.device(os.environ.get("SPECPOLICY_TEST_DEVICE", "cpu"))
+
 # Small enough for CPU tests in milliseconds, large enough to have GQA (4 heads, 2 kv heads) and 4 layers
 # to build layer-subset drafts from. intermediate_size is set because llama's default is 11008.
 TINY = dict(
@@ -33,7 +37,7 @@ def tiny_model() -> Callable[..., LoadedModel]:
     def load(model_type: str = "llama", seed: int = 0, **config) -> LoadedModel:
         key = (model_type, seed, tuple(sorted(config.items())))
         if key not in loaded:
-            source = RandomInitSource(model_type=model_type, config={**TINY, **config}, seed=seed, device="cpu")
+            source = RandomInitSource(model_type=model_type, config={**TINY, **config}, seed=seed, device=str(DEVICE))
             loaded[key] = source.load()
         return loaded[key]
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import synthetic
+from conftest import DEVICE
 from specpolicy.decode import DecodeResult, Engine
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import LayerSubsetDraft
@@ -76,7 +77,7 @@ class Case:
         if key not in self._refs:
             prompt = self.prompts[row]
             out = self.target.model.generate(
-                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=list(eos),
+                torch.tensor([prompt], device=DEVICE), max_new_tokens=n, do_sample=False, eos_token_id=list(eos),
                 pad_token_id=self.target.tokenizer.pad_token_id,
             )
             self._refs[key] = out[0, len(prompt):].tolist()
@@ -116,7 +117,7 @@ def case(request, tiny_model) -> Case:
     drafts = {name: LayerSubsetDraft(layers, fuse).build(target) for name, (layers, fuse) in DRAFTS.items()}
     weight = drafts["fused"].model.feature_fusion.proj.weight
     with torch.no_grad():
-        weight[:, weight.shape[0]:] = 0.05 * torch.eye(weight.shape[0])
+        weight[:, weight.shape[0]:] = 0.05 * torch.eye(weight.shape[0], device=DEVICE)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     case = Case(target, drafts, prompts)
@@ -275,7 +276,7 @@ def test_fused_draft_proposes_what_it_trains_on(case: Case) -> None:
     assert 0 < result.stats.accepted < result.stats.drafted  # rollbacks happen
     rows = {}
     for r in everyone:
-        seq = torch.tensor([case.prompts[r] + result.outputs[r]])
+        seq = torch.tensor([case.prompts[r] + result.outputs[r]], device=DEVICE)
         batch = {"input_ids": seq, "attention_mask": torch.ones_like(seq), "loss_mask": torch.ones_like(seq).bool()}
         with torch.no_grad():
             batch["features"] = hidden_states(target, batch)

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from conftest import DEVICE
 from specpolicy.decode import Engine, sampling
 from specpolicy.policy import StaticPolicy
 
@@ -36,13 +37,13 @@ def models(tiny_model):
 
 def exact_joint(model, prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
     """P(t_1..t_n) under the target with the engine's warping, flattened as t_1 * V^(n-1) + ... + t_n."""
-    seqs, joint = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64)
+    seqs, joint = torch.tensor([prompt], device=DEVICE), torch.ones(1, dtype=torch.float64, device=DEVICE)
     with torch.no_grad():
         for _ in range(n):
             q = sampling.probs(model(seqs).logits[:, -1].float(), temperature, top_p).double()  # [S, V]
             joint = (joint[:, None] * q).reshape(-1)
-            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
-    return joint
+            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V, device=DEVICE).repeat(len(seqs))[:, None]], 1)
+    return joint.cpu()
 
 
 def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
