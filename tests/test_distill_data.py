@@ -8,8 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specpolicy.distill.data import DistillData, collate_rows, fingerprint, masked_logits
+from specpolicy.distill.data import (DistillData, collate_rows, fingerprint, hidden_states, masked_logits,
+                                     unrolled_hidden_states)
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.draft import LayerSubsetDraft
+from specpolicy.models.fusion import model_inputs, shift
 
 PROMPTS = [[5, 9, 3, 7], [11, 4], [8, 8, 2, 6, 1]]
 
@@ -58,3 +61,30 @@ def test_fingerprint_ignores_the_folder_a_model_was_loaded_from(tiny_model, tmp_
     with torch.no_grad():
         next(b.parameters()).view(-1)[0] += 1.0
     assert fingerprint(a) != fingerprint(b)
+
+
+def test_unrolled_passes_read_what_the_engines_draft_reads(tiny_model, single_thread):
+    """Pass m at token j must equal the draft run token by token as the engine runs it: the committed
+    prefix up to t = j - m + 1 with the target's features, then drafted tokens that read the draft's own
+    previous state. An off-by-one in the mask or the features changes the states by O(1), not 1e-5."""
+    target = tiny_model().model
+    draft = LayerSubsetDraft([0, 3], fuse_features=True).build(tiny_model()).model
+    weight = draft.feature_fusion.proj.weight
+    d = weight.shape[0]
+    with torch.no_grad():
+        weight[:, d:] = 0.3 * torch.randn(d, d, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
+    with torch.no_grad():
+        batch["features"] = hidden_states(target, batch)
+        passes = unrolled_hidden_states(draft, batch, 3)
+        run = lambda n, feats: draft.base_model(**model_inputs(draft, tokens[:, :n], feats)).last_hidden_state  # noqa: E731
+        committed = shift(batch["features"])
+        assert torch.allclose(passes[0], hidden_states(draft, batch), atol=1e-4)
+        for t in range(7):
+            own = [run(t + 1, committed[:, : t + 1])[:, t]]  # the state the first drafted token reads
+            for m in (2, 3):
+                feats = torch.cat([committed[:, : t + 1], torch.stack(own, 1)], 1)
+                own.append(run(t + m, feats)[:, t + m - 1])
+                assert torch.allclose(passes[m - 1][:, t + m - 1], own[-1], atol=1e-4), (t, m)
+        assert (passes[1] - passes[0]).abs().max() > 0.1  # the passes differ: the test can fail

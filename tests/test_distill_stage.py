@@ -202,7 +202,7 @@ def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):
     from specpolicy.policy import StaticPolicy
 
     cfg = _cfg(shared, "fused", "draft_layers=[-1]", "draft_fuse_features=true", "distill.feature_loss=1.0",
-               "trainer.max_steps=4")
+               "distill.unroll=1", "trainer.max_steps=4")
     distil(cfg)
     m = _metrics(shared, "fused")
     assert "-fused" in m["draft"] and m["after"]["loss"] < m["before"]["loss"]
@@ -221,3 +221,5 @@ def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):
     assert engine.generate(prompts, StaticPolicy(k=2)).outputs == plain
     with pytest.raises(SpecPolicyError, match="distill.data.source=target"):
         distil(_cfg(shared, "fused_draft_data", "draft_fuse_features=true", "distill.data.source=draft"))
+    with pytest.raises(SpecPolicyError, match="distill.unroll=1: it trains a feature-fusing draft"):
+        distil(_cfg(shared, "unrolled_plain", "distill.unroll=1"))

@@ -32,7 +32,7 @@ import datasets
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
@@ -176,6 +176,32 @@ def hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tor
     features = batch.get("features")
     inputs = model_inputs(hf, batch["input_ids"], None if features is None else shift(features))
     return hf.base_model(**inputs, attention_mask=batch["attention_mask"]).last_hidden_state
+
+
+def unrolled_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor], passes: int) -> list[torch.Tensor]:
+    """A fusing draft's final hidden states [B, L, d] at draft positions 1..`passes` (EAGLE-3's training-time
+    test): while drafting, it reads its own states, not the target's, and this trains it on them.
+
+    Pass 1 is `hidden_states`. In pass m, token j stands for the m-th token drafted after a committed prefix
+    ending at t = j - m + 1: it reads the draft's own state at j - 1 from pass m - 1, and attends to pass 1's
+    keys up to t and to pass k's key at t + k - 1 for k = 2..m (the drafted tokens before it and itself),
+    which is exactly what the engine's draft sees at that depth. The passes share one KV cache, so pass m
+    costs one pass of L tokens attending to m * L keys."""
+    hf = unwrap(model)
+    tokens = batch["input_ids"]
+    B, L = tokens.shape
+    j = torch.arange(L, device=tokens.device)
+    query, key = j[:, None], j[None, :]
+    cache, features, out = DynamicCache(config=hf.config), shift(batch["features"]), []
+    for m in range(1, passes + 1):
+        visible = torch.cat([key <= query - m + 1] + [key == query - m + k for k in range(2, m + 1)], dim=1)
+        mask = torch.zeros(visible.shape, dtype=hf.dtype, device=tokens.device).masked_fill_(~visible,
+                                                                                             torch.finfo(hf.dtype).min)
+        hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask[None, None].expand(B, 1, -1, -1),
+                               position_ids=j.expand(B, -1), cache=cache, use_cache=True).last_hidden_state
+        out.append(hidden)
+        features = shift(hidden)
+    return out
 
 
 def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor],

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Sampler
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
-from specpolicy.distill.data import DistillData, collate_rows, featurize, hidden_states, masked_logits
+from specpolicy.distill.data import (DistillData, collate_rows, featurize, hidden_states, masked_logits,
+                                     unrolled_hidden_states)
 from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
@@ -38,14 +39,16 @@ class DistillModule(LightningModule):
 
     def __init__(self, draft: PreTrainedModel, target: PreTrainedModel, loss: Divergence,
                  optimizer: Callable, scheduler: Callable | None = None, temperature: float = 1.0,
-                 feature_loss: float = 0.0):
+                 feature_loss: float = 0.0, unroll: int = 0):
         """`feature_loss`: weight of a fusing draft's hidden-state regression onto the target's (EAGLE's
-        main loss), added to the divergence; its own next features are what the draft reads while drafting."""
+        main loss), added to the divergence; its own next features are what the draft reads while drafting.
+        `unroll`: a fusing draft also trains at draft positions 2..1+unroll, reading its own states
+        (`unrolled_hidden_states`), each position's divergence added to the loss."""
         super().__init__()
         self.draft = draft
         # Not a submodule: the frozen target stays out of every checkpoint, the optimizer and DDP's sync.
         object.__setattr__(self, "target", target.eval().requires_grad_(False))
-        self.loss_fn, self.temperature, self.feature_loss = loss, temperature, feature_loss
+        self.loss_fn, self.temperature, self.feature_loss, self.unroll = loss, temperature, feature_loss, unroll
         self.make_optimizer, self.make_scheduler = optimizer, scheduler
         self.eval_metrics = torch.nn.ModuleDict({stage: torch.nn.ModuleDict({k: MeanMetric() for k in METRICS})
                                                  for stage in ("val", "test")})
@@ -59,29 +62,35 @@ class DistillModule(LightningModule):
     def on_test_start(self) -> None:
         self.target.to(self.device)
 
-    def _distributions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _distributions(self, batch: dict[str, torch.Tensor], passes: int = 1) -> tuple:
         """At the response positions: draft logits and target log-probs (temperature 1) over the tokens the
         draft scores, [N, V] or [N, n] with a subset head (the target's restricted, not renormalised), the
-        target's top-1 token [N], and for a fusing draft the smooth-L1 distance of its final hidden states from
-        the target's (else None). A fusing draft reads the target's features: cached with the training data,
-        else (held-out sets, `target_probs=online`) from the same target pass as the target's logits."""
+        target's top-1 token [N], for a fusing draft the smooth-L1 distance of its final hidden states from
+        the target's (else None), and its logits at draft positions 2..`passes` ([N, V] each, same rows).
+        A fusing draft reads the target's features: cached with the training data, else (held-out sets,
+        `target_probs=online`) from the same target pass as the target's logits."""
         target_hidden = None
         fuses = fuses_features(self.draft)
         if fuses and "features" not in batch:
             with torch.no_grad():
                 target_hidden = hidden_states(self.target, batch)
             batch = {**batch, "features": target_hidden}
-        hidden = hidden_states(self.draft, batch)
+        if passes > 1:
+            hiddens = unrolled_hidden_states(self.draft, batch, passes)
+        else:
+            hiddens = [hidden_states(self.draft, batch)]
+        hidden = hiddens[0]
         p_logits = masked_logits(self.draft, batch, hidden)
+        later = [masked_logits(self.draft, batch, h) for h in hiddens[1:]]
         mask = batch["loss_mask"]
         regression = F.smooth_l1_loss(hidden[mask], batch["features"][mask].to(hidden.dtype)) if fuses else None
         vocab = subset_of(self.draft)
         if "topk_ids" in batch:  # cached when the data was generated; top-k sorted, so column 0 is the argmax
             q_logp = dense_from_topk(batch["topk_ids"], batch["topk_logp"], self.target.config.vocab_size, vocab)
-            return p_logits, q_logp, batch["topk_ids"][:, 0].long(), regression
+            return p_logits, q_logp, batch["topk_ids"][:, 0].long(), regression, later
         with torch.no_grad():  # on the fly
             full = log_probs(masked_logits(self.target, batch, target_hidden))
-        return p_logits, full if vocab is None else full[:, vocab], full.argmax(-1), regression
+        return p_logits, full if vocab is None else full[:, vocab], full.argmax(-1), regression, later
 
     def _loss(self, p_logits: torch.Tensor, q_logp: torch.Tensor) -> torch.Tensor:
         """Mean divergence over response tokens; the target renormalised over the draft's tokens at temperature
@@ -90,9 +99,16 @@ class DistillModule(LightningModule):
         return self.loss_fn(log_probs(p_logits, T), log_probs(q_logp, T)).mean()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        p_logits, q_logp, _, regression = self._distributions(batch)
+        p_logits, q_logp, _, regression, later = self._distributions(batch, 1 + self.unroll)
         loss = self._loss(p_logits, q_logp)
         self.log("train/loss", loss, prog_bar=True)
+        position = torch.arange(batch["input_ids"].shape[1], device=q_logp.device).expand_as(batch["loss_mask"])
+        position = position[batch["loss_mask"]]  # [N]: pass m is defined from position m - 1 on
+        for m, logits in enumerate(later, start=2):
+            valid = position >= m - 1
+            term = self._loss(logits[valid], q_logp[valid])
+            self.log(f"train/loss_position{m}", term)
+            loss = loss + term
         if regression is not None and self.feature_loss:
             self.log("train/feature_loss", regression)
             loss = loss + self.feature_loss * regression
@@ -105,7 +121,7 @@ class DistillModule(LightningModule):
         self._evaluate(batch, "test")
 
     def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
-        p_logits, q_logp, q_top1, _ = self._distributions(batch)
+        p_logits, q_logp, q_top1, _, _ = self._distributions(batch)
         vocab = subset_of(self.draft)
         p_top1 = p_logits.argmax(-1)
         n = p_logits.shape[0]

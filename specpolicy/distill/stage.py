@@ -43,12 +43,15 @@ def distil(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
     draft = instantiate(cfg.draft).build(target)
+    if d.unroll < 0 or (d.unroll and not fuses_features(draft.model)):
+        raise SpecPolicyError(f"distill.unroll={d.unroll}: it trains a feature-fusing draft on its own states and "
+                              f"must be 0 or more; set draft_fuse_features=true, or distill.unroll=0")
     datamodule = _datamodule(cfg, target, draft)
     vocab, full_head = _narrow_head(d, target, draft, datamodule)
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
-                           temperature=d.temperature, feature_loss=d.feature_loss)
+                           temperature=d.temperature, feature_loss=d.feature_loss, unroll=d.unroll)
     trainer = _trainer(cfg)
     before = _held_out(trainer, module, datamodule)
     start = time.perf_counter()
