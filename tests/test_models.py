@@ -100,3 +100,14 @@ def test_embedded_smollm2_loads_and_is_cached(tmp_path_factory) -> None:
                                              tokenize=False)
     out = smol.model.generate(**smol.tokenizer(ids, return_tensors="pt"), max_new_tokens=24, do_sample=False)
     assert "4" in smol.tokenizer.decode(out[0, -24:])
+
+
+def test_a_fusing_drafts_cost_and_profile_include_the_features_it_reads(target) -> None:
+    """Timing a fusing draft feeds it placeholder features: without them its forward cannot run."""
+    from specpolicy.cost.profile import measure
+
+    fused = LayerSubsetDraft([0, 1], fuse_features=True).build(target)
+    plain = LayerSubsetDraft([0, 1]).build(target)
+    assert fused.cost["flops_ratio"] > plain.cost["flops_ratio"] and fused.cost["latency_ratio"] > 0
+    profile = measure(target.model, fused.model, rows=[1, 2], tokens=[1, 3], context=8, repeats=1, dtype="float32")
+    assert all(ms > 0 for row in profile.draft_ms for ms in row) and len(profile.draft_ms) == 2

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.errors import SpecPolicyError
-from specpolicy.models.fusion import fuses_features
+from specpolicy.models.fusion import timing_features
 from specpolicy.runtime import resolve_device, synchronize
 
 
@@ -68,26 +68,21 @@ class _Timer:
         device, vocab = model.device, model.config.vocab_size
         self.cache = RaggedCache(rows, context + max_tokens)
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
-        forward(model, self.cache, torch.randint(0, vocab, (rows, context), device=device), zeros, context,
-                zeros[:, None], context, features=self._features(context))
+        prompt = torch.randint(0, vocab, (rows, context), device=device)
+        forward(model, self.cache, prompt, zeros, context, zeros[:, None], context,
+                features=timing_features(model, prompt))
         self.starts = torch.full_like(zeros, context)
 
     def __call__(self, t: int) -> float:
         device = self.model.device
         chunk = torch.randint(0, self.model.config.vocab_size, (self.rows, t), device=device)
         keep = torch.arange(t, device=device).expand(self.rows, t)  # verification needs logits at every token
-        features = self._features(t)
+        features = timing_features(self.model, chunk)
         synchronize(device)
         t0 = time.perf_counter()
         forward(self.model, self.cache, chunk, self.starts, self.context + t, keep, self.context + t, features=features)
         synchronize(device)
         return 1e3 * (time.perf_counter() - t0)
-
-    def _features(self, t: int) -> torch.Tensor | None:
-        """What a fusing draft reads beside `t` tokens per row (any values cost the same)."""
-        if not fuses_features(self.model):
-            return None
-        return torch.zeros(self.rows, t, self.model.config.hidden_size, dtype=self.model.dtype, device=self.model.device)
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from specpolicy.cost.flops import FlopModel
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.compat import check_compatible
-from specpolicy.models.fusion import attach_fusion, model_inputs
+from specpolicy.models.fusion import attach_fusion, model_inputs, timing_features
 from specpolicy.models.loading import LoadedModel, PretrainedSource
 from specpolicy.models.vocab import load_vocab, use_subset_head
 
@@ -200,10 +200,9 @@ def _decode_latency_ms(models: list[torch.nn.Module], context: int, repeats: int
 
     device = next(models[0].parameters()).device
     ids = torch.randint(0, models[0].config.vocab_size, (1, context + 1), device=device)
-    features = torch.zeros(1, context + 1, models[0].config.hidden_size, device=device, dtype=models[0].dtype)
 
     def inputs(model: torch.nn.Module, span: slice) -> dict:  # a fusing draft also reads (and pays for) features
-        return model_inputs(model, ids[:, span], features[:, span])
+        return model_inputs(model, ids[:, span], timing_features(model, ids[:, span]))
 
     caches = []
     for model in models:

@@ -79,6 +79,15 @@ def model_inputs(model: torch.nn.Module, tokens: torch.Tensor, features: torch.T
     return {"inputs_embeds": hf.feature_fusion(hf.get_input_embeddings()(tokens), features)}
 
 
+def timing_features(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor | None:
+    """What a fusing draft reads beside `tokens` [B, W] in a timed forward (any values cost the same);
+    None for any other model."""
+    if not fuses_features(model):
+        return None
+    hf = unwrap(model)
+    return torch.zeros(*tokens.shape, hf.config.hidden_size, dtype=hf.dtype, device=tokens.device)
+
+
 def shift(hidden: torch.Tensor) -> torch.Tensor:
     """Target hidden states [B, L, d] -> the feature each token reads: f_{j-1} at j, zeros at 0."""
     return torch.nn.functional.pad(hidden, (0, 0, 1, 0))[:, :-1]
