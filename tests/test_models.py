@@ -111,3 +111,11 @@ def test_a_fusing_drafts_cost_and_profile_include_the_features_it_reads(target) 
     assert fused.cost["flops_ratio"] > plain.cost["flops_ratio"] and fused.cost["latency_ratio"] > 0
     profile = measure(target.model, fused.model, rows=[1, 2], tokens=[1, 3], context=8, repeats=1, dtype="float32")
     assert all(ms > 0 for row in profile.draft_ms for ms in row) and len(profile.draft_ms) == 2
+
+
+def test_an_unreadable_gguf_file_is_one_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))  # the magic, then nothing a reader can use
+    with pytest.raises(SpecPolicyError, match="cannot read GGUF file .*broken.gguf.*complete GGUF model"):
+        PretrainedSource(str(bad), cache_dir=str(tmp_path / "cache")).load()
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())

@@ -109,7 +109,8 @@ class PretrainedSource:
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except Exception as err:  # gguf parsing errors come from deep inside transformers
-            raise SpecPolicyError(f"cannot read GGUF file {gguf}: {err}; check the file is a complete GGUF model") from err
+            raise SpecPolicyError(f"cannot read GGUF file {gguf}: {err}; check the file is a complete GGUF model "
+                                  f"and that the packages the error names are installed") from err
         # The dequantised model still carries the GGUF quantizer, and save_pretrained refuses it until cleared.
         model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
         model.config.__dict__.pop("quantization_config", None)
