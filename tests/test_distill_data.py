@@ -75,10 +75,13 @@ def test_unrolled_passes_read_what_the_engines_draft_reads(tiny_model, single_th
         weight[:, d:] = 0.3 * torch.randn(d, d, generator=torch.Generator().manual_seed(0))
     tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
+
+    def run(n: int, feats: torch.Tensor) -> torch.Tensor:  # the draft on the first n tokens, given their features
+        return draft.base_model(**model_inputs(draft, tokens[:, :n], feats)).last_hidden_state
+
     with torch.no_grad():
         batch["features"] = hidden_states(target, batch)
         passes = unrolled_hidden_states(draft, batch, 3)
-        run = lambda n, feats: draft.base_model(**model_inputs(draft, tokens[:, :n], feats)).last_hidden_state  # noqa: E731
         committed = shift(batch["features"])
         assert torch.allclose(passes[0], hidden_states(draft, batch), atol=1e-4)
         for t in range(7):

@@ -195,9 +195,9 @@ def unrolled_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor
     cache, features, out = DynamicCache(config=hf.config), shift(batch["features"]), []
     for m in range(1, passes + 1):
         visible = torch.cat([key <= query - m + 1] + [key == query - m + k for k in range(2, m + 1)], dim=1)
-        mask = torch.zeros(visible.shape, dtype=hf.dtype, device=tokens.device).masked_fill_(~visible,
-                                                                                             torch.finfo(hf.dtype).min)
-        hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask[None, None].expand(B, 1, -1, -1),
+        mask = torch.zeros(visible.shape, dtype=hf.dtype, device=tokens.device)
+        mask.masked_fill_(~visible, torch.finfo(hf.dtype).min)  # [L, m * L], additive like the engine's
+        hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask.expand(B, 1, -1, -1),
                                position_ids=j.expand(B, -1), cache=cache, use_cache=True).last_hidden_state
         out.append(hidden)
         features = shift(hidden)

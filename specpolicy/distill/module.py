@@ -106,6 +106,8 @@ class DistillModule(LightningModule):
         position = position[batch["loss_mask"]]  # [N]: pass m is defined from position m - 1 on
         for m, logits in enumerate(later, start=2):
             valid = position >= m - 1
+            if not valid.any():  # only positions too early for this depth: nothing to train
+                continue
             term = self._loss(logits[valid], q_logp[valid])
             self.log(f"train/loss_position{m}", term)
             loss = loss + term
