@@ -63,6 +63,13 @@ class RaggedCache(Cache):
         return self._kv_len, 0
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 4D-ready attention mask from a boolean one: 0 where a query may see a key, the dtype's minimum
+    where not. transformers adds a 4D mask to the scores as given, in every attention implementation."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+
+
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
     keep: torch.Tensor, max_position: int, rows: slice = slice(None), features: torch.Tensor | None = None,
@@ -79,12 +86,9 @@ def forward(
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
     keys = torch.arange(cache._kv_len, device=tokens.device)
     visible = keys[None, None, :] <= positions[:, :, None]  # [B, W, T]
-    dtype = model.dtype
-    mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
     hidden = model.base_model(
         **model_inputs(model, tokens, features),
-        attention_mask=mask[:, None],  # [B, 1, W, T]
+        attention_mask=additive_mask(visible, model.dtype)[:, None],  # [B, 1, W, T]
         position_ids=positions.clamp(max=max_position),  # only padding slots are clamped
         cache=cache,
         use_cache=True,

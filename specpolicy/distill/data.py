@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from specpolicy.atomic import atomic_path
+from specpolicy.decode.cache import additive_mask
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import model_inputs, shift, unwrap
 from specpolicy.models.vocab import SubsetHead
@@ -195,8 +196,7 @@ def unrolled_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor
     cache, features, out = DynamicCache(config=hf.config), shift(batch["features"]), []
     for m in range(1, passes + 1):
         visible = torch.cat([key <= query - m + 1] + [key == query - m + k for k in range(2, m + 1)], dim=1)
-        mask = torch.zeros(visible.shape, dtype=hf.dtype, device=tokens.device)
-        mask.masked_fill_(~visible, torch.finfo(hf.dtype).min)  # [L, m * L], additive like the engine's
+        mask = additive_mask(visible, hf.dtype)  # [L, m * L]
         hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask.expand(B, 1, -1, -1),
                                position_ids=j.expand(B, -1), cache=cache, use_cache=True).last_hidden_state
         out.append(hidden)
