@@ -42,7 +42,8 @@ def exact_joint(model, prompt: list[int], n: int, temperature: float, top_p: flo
         for _ in range(n):
             q = sampling.probs(model(seqs).logits[:, -1].float(), temperature, top_p).double()  # [S, V]
             joint = (joint[:, None] * q).reshape(-1)
-            seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V, device=DEVICE).repeat(len(seqs))[:, None]], 1)
+            nexts = torch.arange(V, device=DEVICE).repeat(len(seqs))[:, None]
+            seqs = torch.cat([seqs.repeat_interleave(V, 0), nexts], 1)
     return joint.cpu()
 
 
