@@ -36,10 +36,7 @@ class FlopModel:
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> FlopModel:
         """Matmul weights counted from the modules (exact for any family: GQA, gated MLPs, tied heads)."""
-        head = model.get_output_embeddings()
         matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
-        if head is not None and not isinstance(head, torch.nn.Linear):
-            matmul += head.weight.numel()
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return cls(matmul, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim)

@@ -88,15 +88,21 @@ class _Timer:
 @torch.inference_mode()
 def measure(target: PreTrainedModel, draft: PreTrainedModel, rows: list[int], tokens: list[int], context: int,
             repeats: int, dtype: str) -> LatencyProfile:
-    """Milliseconds per forward on the (rows x tokens) grid: the fastest of `repeats` rounds, each round one
-    pass over the whole grid, so a slow spell of a shared machine spreads over many cells instead of
-    spoiling one (interference only ever adds time). One untimed round warms up."""
-    timers = {(name, r): _Timer(model, r, context, max(tokens))
-              for name, model in (("target", target), ("draft", draft)) for r in rows}
+    """The latency profile of a target and its draft on the (rows x tokens) grid."""
+    grids = time_grid({"target": target, "draft": draft}, rows, tokens, context, repeats)
+    return LatencyProfile(device_name(target.device), dtype, context, list(rows), list(tokens),
+                          grids["target"], grids["draft"])
+
+
+@torch.inference_mode()
+def time_grid(models: dict[str, PreTrainedModel], rows: list[int], tokens: list[int], context: int,
+              repeats: int) -> dict[str, list[list[float]]]:
+    """Milliseconds per forward of each model on the (rows x tokens) grid: the fastest of `repeats` rounds,
+    each round one pass over every model and the whole grid, so a slow spell of a shared machine spreads
+    over many cells instead of spoiling one (interference only ever adds time). One untimed round warms up."""
+    timers = {(name, r): _Timer(model, r, context, max(tokens)) for name, model in models.items() for r in rows}
     best = {key: [float("inf")] * len(tokens) for key in timers}
     for _ in tqdm(range(repeats + 1), desc="profile (rounds over the grid)"):
         for key, timer in timers.items():
             best[key] = [min(b, timer(t)) for b, t in zip(best[key], tokens)]
-    grids = {name: [best[(name, r)] for r in rows] for name in ("target", "draft")}
-    return LatencyProfile(device_name(target.device), dtype, context, list(rows), list(tokens),
-                          grids["target"], grids["draft"])
+    return {name: [best[(name, r)] for r in rows] for name in models}

@@ -22,6 +22,7 @@ from specpolicy.errors import SpecPolicyError
 from specpolicy.models.compat import check_compatible
 from specpolicy.models.fusion import attach_fusion, model_inputs, timing_features
 from specpolicy.models.loading import LoadedModel, PretrainedSource
+from specpolicy.models.skinny import SkinnyLinear, use_skinny_gemm
 from specpolicy.models.vocab import load_vocab, use_subset_head
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,7 @@ class LayerSubsetDraft:
         config.num_hidden_layers = len(picked)
         if getattr(config, "layer_types", None):
             config.layer_types = [config.layer_types[i] for i in self.layers]
-        param = next(target.model.parameters())
-        draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+        draft = _empty_like(target.model, config)
         prefix = _layer_prefix(target.model, source)
         state = {k: v for k, v in target.model.state_dict().items() if not k.startswith(prefix)}
         for new_idx, layer in enumerate(picked):
@@ -72,6 +72,14 @@ class LayerSubsetDraft:
         built = LoadedModel(draft, target.tokenizer, f"{target.name}-{kind}{'_'.join(map(str, indices))}")
         built.cost = describe_cost(target, built)
         return built
+
+
+def _empty_like(target: torch.nn.Module, config) -> torch.nn.Module:
+    """A randomly initialised model of `config` on the target's device and dtype, with its kind of linear layers."""
+    param = next(target.parameters())
+    draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+    skinny = any(isinstance(m, SkinnyLinear) for m in target.modules())
+    return use_skinny_gemm(draft) if skinny else draft
 
 
 def _layer_prefix(model: torch.nn.Module, layers: torch.nn.ModuleList) -> str:
@@ -120,10 +128,9 @@ class FreshDraft:
 
     def build(self, target: LoadedModel) -> LoadedModel:
         config = self._config(target.model.config)
-        param = next(target.model.parameters())
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+            draft = _empty_like(target.model, config)
         if self.init_from_target:
             self._init_from(target.model, draft)
         draft.eval().requires_grad_(False)

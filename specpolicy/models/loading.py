@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import load_fusion
+from specpolicy.models.skinny import use_skinny_gemm
 from specpolicy.models.tiny import byte_tokenizer
 from specpolicy.runtime import resolve_device, resolve_dtype
 
@@ -51,10 +52,10 @@ def context_length(config: Any) -> int:
     raise SpecPolicyError(f"cannot tell the context length of a {config.model_type} model from its config")
 
 
-def _finish(model: PreTrainedModel, dtype: str, device: str) -> PreTrainedModel:
+def _finish(model: PreTrainedModel, dtype: str, device: str, skinny_gemm: bool) -> PreTrainedModel:
     model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
     model.eval().requires_grad_(False)
-    return model
+    return use_skinny_gemm(model) if skinny_gemm else model
 
 
 @dataclass
@@ -65,6 +66,7 @@ class PretrainedSource:
     dtype: str = "float32"
     device: str = "auto"
     cache_dir: str | None = None
+    skinny_gemm: bool = True  # few-row float32 products on a CPU as tall GEMMs (models.skinny)
 
     def load(self) -> LoadedModel:
         resolve_dtype(self.dtype), resolve_device(self.device)  # fail on bad values before a slow load
@@ -72,7 +74,7 @@ class PretrainedSource:
         if path.suffix == ".gguf":
             path = self._converted(path)
         model, tokenizer = _from_pretrained(str(path))
-        return LoadedModel(_finish(model, self.dtype, self.device), tokenizer, self.name)
+        return LoadedModel(_finish(model, self.dtype, self.device, self.skinny_gemm), tokenizer, self.name)
 
     @property
     def name(self) -> str:
@@ -172,6 +174,7 @@ class RandomInitSource:
     seed: int = 0
     dtype: str = "float32"
     device: str = "auto"
+    skinny_gemm: bool = True
 
     def load(self) -> LoadedModel:
         tokenizer = byte_tokenizer()
@@ -187,7 +190,7 @@ class RandomInitSource:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return LoadedModel(_finish(model, self.dtype, self.device), tokenizer, self.name)
+        return LoadedModel(_finish(model, self.dtype, self.device, self.skinny_gemm), tokenizer, self.name)
 
     @property
     def name(self) -> str:

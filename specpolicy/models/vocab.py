@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specpolicy.models.loading import LoadedModel
+from specpolicy.models.skinny import SkinnyLinear, use_skinny_gemm
 
 VOCAB_FILE = "draft_vocab.json"
 
@@ -31,13 +32,17 @@ class SubsetHead(torch.nn.Module):
 
     def __init__(self, full_head: torch.nn.Module, token_ids: torch.Tensor):
         super().__init__()
-        self.vocab_size = full_head.weight.shape[0]
-        self.weight = torch.nn.Parameter(full_head.weight.detach()[token_ids].clone(), requires_grad=False)
+        self.vocab_size, width = full_head.weight.shape
+        self.subset = torch.nn.Linear(width, len(token_ids), bias=False, device=full_head.weight.device,
+                                      dtype=full_head.weight.dtype).requires_grad_(False)
+        self.subset.weight.copy_(full_head.weight.detach()[token_ids])
+        if isinstance(full_head, SkinnyLinear):  # score the subset the way the full head scored the vocabulary
+            use_skinny_gemm(self.subset)
         self.register_buffer("token_ids", token_ids.to(full_head.weight.device), persistent=False)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the subset, [..., size], in the order of `token_ids`."""
-        return hidden @ self.weight.T
+        return self.subset(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.scores(hidden)

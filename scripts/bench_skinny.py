@@ -1,0 +1,47 @@
+"""Benchmark: `python scripts/bench_skinny.py experiment=smollm2_135m [runtime.dtype=bfloat16]`.
+
+Prints and saves JSON with the target's forward latency through plain `nn.Linear` and through
+`specpolicy.models.skinny`'s tall GEMMs (`runtime.skinny_gemm`), timed side by side in one process, in the
+same rounds, over the profile stage's grid (`profile.rows` x `profile.tokens` new tokens per row): the
+milliseconds of each, and plain / skinny per cell (above 1: skinny is faster).
+"""
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from specpolicy.cli import entry
+from specpolicy.cost.profile import device_name, time_grid
+from specpolicy.models.skinny import use_skinny_gemm
+
+os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
+
+
+def bench(cfg: DictConfig) -> None:
+    target = instantiate(cfg.target, skinny_gemm=False).load()
+    models = {"linear": target.model, "skinny": use_skinny_gemm(copy.deepcopy(target.model))}
+    p = cfg.profile
+    ms = time_grid(models, list(p.rows), list(p.tokens), p.context, p.repeats)
+    speedup = [[round(a / b, 3) for a, b in zip(*rows)] for rows in zip(ms["linear"], ms["skinny"])]
+    report = {"target": target.name, "device": device_name(target.model.device), "dtype": cfg.runtime.dtype,
+              "context": p.context, "rows": list(p.rows), "tokens": list(p.tokens),
+              "ms": {k: [[round(v, 2) for v in row] for row in grid] for k, grid in ms.items()},
+              "linear_over_skinny": speedup}
+    out = Path(cfg.paths.experiment_dir) / "bench" / f"skinny-{report['device']}-{cfg.runtime.dtype}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    entry(bench, cfg)
+
+
+if __name__ == "__main__":
+    main()
