@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path
+from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
 from specpolicy.models import LoadedModel, check_compatible
@@ -53,7 +54,12 @@ def profile(cfg: DictConfig) -> None:
         return
     target, draft = load_pair(cfg, cfg.trained_draft)
     p = cfg.profile
-    measure(target.model, draft.model, list(p.rows), list(p.tokens), p.context, p.repeats, cfg.runtime.dtype).save(out)
+    latency = measure(target.model, draft.model, list(p.rows), list(p.tokens), p.context, p.repeats, cfg.runtime.dtype)
+    if p.overhead_steps:
+        latency.draft_step_overhead_ms = drafting_overhead(target.model, draft.model, latency, p.overhead_steps)
+        log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
+                 [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
+    latency.save(out)
     log.info("profile: saved %s", out)
 
 

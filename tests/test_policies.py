@@ -31,6 +31,21 @@ def test_cost_model_interpolates_between_measured_points() -> None:
     assert cost.step_ms(8, 2) == pytest.approx(2 * 0.1 * (30 + 8) + 30 + 8 * 3)
 
 
+def test_the_drafting_overhead_is_paid_per_draft_position_and_can_call_drafting_off() -> None:
+    plain, taxed = CostModel(synthetic.profile()), CostModel(synthetic.profile(overhead_ms=5.0))
+    assert taxed.draft_ms(8) == pytest.approx(plain.draft_ms(8) + 5.0)
+    assert taxed.step_ms(8, 2) == pytest.approx(plain.step_ms(8, 2) + 2 * 5.0)
+    assert taxed.step_ms(8, 0) == plain.step_ms(8, 0)
+
+    def budget(profile) -> int:  # one row, its prior acceptance 0.3: a draft token pays only if cheap
+        policy = GoodputPolicy(profile, k=4, prior=0.3, optimism=0.0)
+        policy.reset(1)
+        return int(policy.budget(StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64)).max())
+
+    assert budget(synthetic.profile()) >= 1
+    assert budget(synthetic.profile(overhead_ms=10.0)) == 0
+
+
 def test_speculation_stops_where_the_profile_says_it_cannot_pay() -> None:
     cost = CostModel(synthetic.profile(per_token_ms=2.0, draft_share=0.3))
     depths = [cost.max_useful_depth(rows, 8) for rows in synthetic.ROWS]
@@ -176,3 +191,31 @@ def test_head_learns_acceptance_from_confidence() -> None:
     probe[:, COLUMN["top1"]] = torch.tensor([0.1, 0.9])
     p = torch.sigmoid(module.head(probe))
     assert p[1] > p[0] + 0.3
+
+
+def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tiny_model, monkeypatch) -> None:
+    """The engine's own steps, depth 1 against depth 0, minus what the grid predicts: a delay that only
+    drafting steps pay (here 20 ms in sampling the draft token) shows up, and nothing else does."""
+    import time
+
+    from specpolicy.cost.overhead import drafting_overhead
+    from specpolicy.cost.profile import measure
+    from specpolicy.decode import sampling
+    from specpolicy.models.draft import LayerSubsetDraft
+
+    target = tiny_model()
+    draft = LayerSubsetDraft([0, 1]).build(target).model
+    profile = measure(target.model, draft, rows=[1, 2], tokens=[1, 2], context=8, repeats=1, dtype="float32")
+    free = drafting_overhead(target.model, draft, profile, steps=3)
+    assert len(free) == 2 and all(0 <= ms < 10 for ms in free), free
+
+    propose = sampling.propose
+
+    def slow_propose(*args, **kwargs):
+        time.sleep(0.02)
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "propose", slow_propose)
+    assert all(ms > 10 for ms in drafting_overhead(target.model, draft, profile, steps=3))
+    result = Engine(target.model, draft, max_new_tokens=5, eos_token_id=[]).generate([[1, 2, 3]], StaticPolicy(k=1))
+    assert len(result.stats.step_s) == result.stats.steps

@@ -14,7 +14,8 @@ class CostModel:
     """Predicts milliseconds per decode step from a `LatencyProfile`.
 
     A step at depth d >= 1 runs d draft forwards of ~1 token per row and one target forward of d+1
-    tokens per row (the verify pass pays for the longest row); depth 0 is one target forward of 1
+    tokens per row (the verify pass pays for the longest row), plus the profile's measured overhead of a
+    drafting step (sampling, features, bookkeeping; `cost.overhead`); depth 0 is one target forward of 1
     token. Between measured points the curve is interpolated bilinearly (log2 rows x tokens), and
     clamped outside the grid: steps in the curve stay steps, never smoothed into a line. They are real:
     on this 2-core CPU in fp32 a SmolLM2-135M forward of 3 tokens took 126 ms and of 4 tokens 98 ms
@@ -26,6 +27,7 @@ class CostModel:
         self._log_rows = np.log2(np.asarray(profile.rows, dtype=float))
         self._tokens = np.asarray(profile.tokens, dtype=float)
         self._grids = {"target": np.asarray(profile.target_ms), "draft": np.asarray(profile.draft_ms)}
+        self._overhead = np.asarray(profile.draft_step_overhead_ms or np.zeros(len(profile.rows)), dtype=float)
         self._known: dict[tuple, float | int | np.ndarray] = {}  # policies ask every decode step: keep it off the clock
 
     def forward_ms(self, model: str, rows: float, tokens: float) -> float:
@@ -36,8 +38,16 @@ class CostModel:
             self._known[key] = float(np.interp(math.log2(max(rows, 1)), self._log_rows, per_rows))
         return self._known[key]
 
+    def draft_ms(self, rows: float) -> float:
+        """One draft position: a 1-token draft forward and its share of the drafting overhead."""
+        key = ("draft_ms", rows)
+        if key not in self._known:
+            overhead = float(np.interp(math.log2(max(rows, 1)), self._log_rows, self._overhead))
+            self._known[key] = self.forward_ms("draft", rows, 1) + overhead
+        return self._known[key]
+
     def step_ms(self, rows: float, depth: int) -> float:
-        return depth * self.forward_ms("draft", rows, 1) + self.forward_ms("target", rows, depth + 1)
+        return depth * self.draft_ms(rows) + self.forward_ms("target", rows, depth + 1)
 
     def step_times(self, rows: float, depth: int) -> np.ndarray:
         """step_ms for depths 0..depth, as one array."""

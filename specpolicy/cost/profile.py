@@ -34,6 +34,8 @@ class LatencyProfile:
     tokens: list[int]
     target_ms: list[list[float]]  # [len(rows)][len(tokens)]
     draft_ms: list[list[float]]
+    # [len(rows)] what a decode step that drafts costs beyond the forwards above (cost.overhead); none: 0
+    draft_step_overhead_ms: list[float] | None = None
 
     def save(self, path: str | Path) -> None:
         with atomic_path(path) as tmp:

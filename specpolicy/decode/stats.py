@@ -22,6 +22,7 @@ class DecodeStats:
     draft_forwards: int = 0
     steps: int = 0  # verify steps
     policy_s: float = 0.0  # host time inside the policy's budget/keep/observe (what deciding costs)
+    step_s: list[float] = field(default_factory=list)  # wall time of each verify step (the first reads the prompts)
     row_steps: int = 0  # (row, verify step) pairs
     drafted: int = 0
     accepted: int = 0

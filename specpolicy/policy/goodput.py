@@ -132,7 +132,7 @@ class GoodputPolicy(DepthPolicy):
             self._expected = float(features.shape[0])  # the batch's bonus tokens
             self._reach = torch.ones(features.shape[0], device=features.device)
         self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted), per row
-        draft = self.cost.forward_ms("draft", state.rows, 1)
+        draft = self.cost.draft_ms(state.rows)
         paid = position * draft  # the forwards behind x_1..x_i: spent, whatever is decided now
         stop = paid + self.cost.forward_ms("target", state.rows, position)
         go = paid + self.cost.forward_ms("target", state.rows, position + 1)
