@@ -8,7 +8,6 @@ Each ratio is measured within every round and reported as the median over rounds
 shared machine a slow spell hits one round, and a ratio of two totals would still carry it.
 """
 
-import json
 import os
 import statistics
 from pathlib import Path
@@ -17,7 +16,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specpolicy.cli import entry
+from specpolicy.cli import entry, publish
 from specpolicy.data import encode_prompts
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
 from specpolicy.models.fusion import fuses_features
@@ -69,10 +68,7 @@ def bench(cfg: DictConfig) -> None:
               "prompts": len(prompts), "max_new_tokens": n_new, "repeats": cfg.bench.repeats,
               "assisted_settings": {k: assisted_settings(k) for k in cfg.bench.ks},
               "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges}
-    out = Path(cfg.bench.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    publish(report, cfg.bench.out)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_engine")

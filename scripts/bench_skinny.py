@@ -7,7 +7,6 @@ milliseconds of each, and plain / skinny per cell (above 1: skinny is faster).
 """
 
 import copy
-import json
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specpolicy.cli import entry
+from specpolicy.cli import entry, publish
 from specpolicy.cost.profile import device_name, time_grid
 from specpolicy.models.skinny import use_skinny_gemm
 
@@ -32,10 +31,7 @@ def bench(cfg: DictConfig) -> None:
               "context": p.context, "rows": list(p.rows), "tokens": list(p.tokens),
               "ms": {k: [[round(v, 2) for v in row] for row in grid] for k, grid in ms.items()},
               "linear_over_skinny": speedup}
-    out = Path(cfg.paths.experiment_dir) / "bench" / f"skinny-{report['device']}-{cfg.runtime.dtype}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
+    publish(report, Path(cfg.paths.experiment_dir) / "bench" / f"skinny-{report['device']}-{cfg.runtime.dtype}.json")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

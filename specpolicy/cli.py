@@ -1,14 +1,18 @@
-"""What every entry point shares: offline-by-default wandb, and one-line errors instead of tracebacks."""
+"""What every entry point shares: offline-by-default wandb, one-line errors instead of tracebacks, and
+benchmark reports saved whole and printed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
 
 log = logging.getLogger("specpolicy")
@@ -23,3 +27,11 @@ def entry(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     except SpecPolicyError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def publish(report: dict, out: str | Path) -> None:
+    """Save a benchmark's JSON report at `out` (all or nothing: a killed run leaves the previous one) and print it."""
+    text = json.dumps(report, indent=2)
+    with atomic_path(out) as tmp:
+        tmp.write_text(text)
+    print(text)
