@@ -284,3 +284,21 @@ def test_fused_draft_proposes_what_it_trains_on(case: Case) -> None:
     assert len(policy.seen) > len(everyone)
     for r, generated, proposed in policy.seen:
         assert proposed == int(rows[r][len(case.prompts[r]) + generated - 1]), (r, generated)
+
+
+class SeenRemaining(StaticPolicy):
+    """Static k that records what each step tells it: the fewest tokens generated and `remaining`."""
+
+    def reset(self, batch_size: int) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        self.seen.append((int(state.generated.min()), state.remaining))
+        return super().budget(state)
+
+
+def test_policies_see_what_the_slowest_row_still_needs(case: Case) -> None:
+    policy = SeenRemaining(k=2)
+    case.run(policy, "partial", list(range(len(case.prompts))), NO_EOS, N)
+    assert policy.seen[0] == (0, N) and len(policy.seen) > 1
+    assert all(remaining == N - fewest for fewest, remaining in policy.seen)

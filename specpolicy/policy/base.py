@@ -19,6 +19,7 @@ class StepState:
     generated: torch.Tensor  # [A] tokens generated so far
     rows: int  # rows in flight
     tokens: int  # context tokens in flight (sum of row lengths)
+    remaining: int | None = None  # the most new tokens a row in flight may still need (None: no bound)
 
 
 class DepthPolicy:
