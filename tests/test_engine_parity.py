@@ -286,19 +286,22 @@ def test_fused_draft_proposes_what_it_trains_on(case: Case) -> None:
         assert proposed == int(rows[r][len(case.prompts[r]) + generated - 1]), (r, generated)
 
 
-class SeenRemaining(StaticPolicy):
-    """Static k that records what each step tells it: the fewest tokens generated and `remaining`."""
+class SeenLengths(StaticPolicy):
+    """Static k that records what each step tells it: fewest tokens generated, `remaining`, `unread`."""
 
     def reset(self, batch_size: int) -> None:
-        self.seen: list[tuple[int, int]] = []
+        self.seen: list[tuple[int, int | None, int]] = []
 
     def budget(self, state: StepState) -> torch.Tensor:
-        self.seen.append((int(state.generated.min()), state.remaining))
+        self.seen.append((int(state.generated.min()), state.remaining, state.unread))
         return super().budget(state)
 
 
-def test_policies_see_what_the_slowest_row_still_needs(case: Case) -> None:
-    policy = SeenRemaining(k=2)
+def test_policies_see_what_the_slowest_row_and_the_draft_still_need(case: Case) -> None:
+    """`remaining`: tokens the furthest-behind row may still make; `unread`: the draft's backlog, the whole
+    longest prompt at first, then at most the k=2 tokens a step commits beyond what the draft read."""
+    policy = SeenLengths(k=2)
     case.run(policy, "partial", list(range(len(case.prompts))), NO_EOS, N)
-    assert policy.seen[0] == (0, N) and len(policy.seen) > 1
-    assert all(remaining == N - fewest for fewest, remaining in policy.seen)
+    assert policy.seen[0] == (0, N, max(map(len, case.prompts))) and len(policy.seen) > 1
+    assert all(remaining == N - fewest for fewest, remaining, _ in policy.seen)
+    assert all(1 <= unread <= 2 for *_, unread in policy.seen[1:])

@@ -47,6 +47,29 @@ def test_the_drafting_overhead_is_paid_per_draft_position_and_can_call_drafting_
     assert budget(synthetic.profile(overhead_ms=10.0)) == 0
 
 
+def test_a_long_catch_up_costs_what_as_many_tokens_in_flight_cost() -> None:
+    cost = CostModel(synthetic.profile())
+    assert cost.catch_up_ms(4, 1) == 0.0
+    assert cost.catch_up_ms(4, 5) == pytest.approx(cost.forward_ms("draft", 4, 5) - cost.forward_ms("draft", 4, 1))
+    assert cost.catch_up_ms(1, 18) == pytest.approx(cost.forward_ms("draft", 2, 9) - cost.forward_ms("draft", 1, 1))
+    assert cost.catch_up_ms(64, 18) == pytest.approx(2 * cost.forward_ms("draft", 64, 9) - cost.forward_ms("draft", 64, 1))
+
+
+def test_drafting_starts_only_where_the_rest_of_the_row_repays_reading_the_prompt() -> None:
+    """One row, acceptance 0.2: drafting pays per step (1.2 tokens in 35.1 ms vs 1 in 31 ms) once the draft
+    has read the context, but a 100-token prompt to read first (10.5 ms) does not pay back in 4 tokens."""
+
+    def budget(unread: int, remaining: int) -> int:
+        policy = GoodputPolicy(synthetic.profile(), k=4, prior=0.2, optimism=0.0)
+        policy.reset(1)
+        state = StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining, unread)
+        return int(policy.budget(state).max())
+
+    assert budget(unread=1, remaining=4) == 1
+    assert budget(unread=100, remaining=4) == 0
+    assert budget(unread=100, remaining=1000) == 1
+
+
 def test_speculation_stops_where_the_profile_says_it_cannot_pay() -> None:
     cost = CostModel(synthetic.profile(per_token_ms=2.0, draft_share=0.3))
     depths = [cost.max_useful_depth(rows, 8) for rows in synthetic.ROWS]
@@ -254,7 +277,7 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
     draft = LayerSubsetDraft([0, 1]).build(target).model
     profile = measure(target.model, draft, rows=[1, 2], tokens=[1, 2], context=8, repeats=1, dtype="float32")
     free = drafting_overhead(target.model, draft, profile, steps=8)
-    assert len(free) == 2 and all(0 <= ms < 10 for ms in free), free
+    assert len(free) == 2 and all(abs(ms) < 10 for ms in free), free
 
     propose = sampling.propose
 

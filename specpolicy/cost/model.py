@@ -14,7 +14,7 @@ class CostModel:
     """Predicts milliseconds per decode step from a `LatencyProfile`.
 
     A step at depth d >= 1 runs d draft forwards of ~1 token per row and one target forward of d+1
-    tokens per row (the verify pass pays for the longest row), plus the profile's measured overhead of a
+    tokens per row (the verify pass pays for the longest row), plus the profile's measured correction for a
     drafting step (sampling, features, bookkeeping; `cost.overhead`); depth 0 is one target forward of 1
     token. Between measured points the curve is interpolated bilinearly (log2 rows x tokens), and
     clamped outside the grid: steps in the curve stay steps, never smoothed into a line. They are real:
@@ -46,6 +46,20 @@ class CostModel:
             overhead = float(np.interp(math.log2(max(rows, 1)), self._log_rows, self._overhead))
             self._known[key] = self.forward_ms("draft", rows, 1) + overhead
         return self._known[key]
+
+    def catch_up_ms(self, rows: float, tokens: int) -> float:
+        """What a draft forward that must first read `tokens` committed tokens per row (a prompt, or what was
+        committed while nobody drafted) costs beyond a 1-token one. Past the grid's longest chunk the tokens
+        in flight are what cost, so the chunk is priced as more rows of that length, and past the grid's
+        largest cell in proportion to it."""
+        longest, most = self._tokens[-1], 2 ** self._log_rows[-1]
+        if tokens <= longest:
+            ms = self.forward_ms("draft", rows, tokens)
+        elif rows * tokens <= most * longest:
+            ms = self.forward_ms("draft", rows * tokens / longest, longest)
+        else:
+            ms = self.forward_ms("draft", most, longest) * rows * tokens / (most * longest)
+        return max(float(ms) - self.forward_ms("draft", rows, 1), 0.0)
 
     def step_ms(self, rows: float, depth: int) -> float:
         return depth * self.draft_ms(rows) + self.forward_ms("target", rows, depth + 1)

@@ -34,7 +34,7 @@ class LatencyProfile:
     tokens: list[int]
     target_ms: list[list[float]]  # [len(rows)][len(tokens)]
     draft_ms: list[list[float]]
-    # [len(rows)] what a decode step that drafts costs beyond the forwards above (cost.overhead); none: 0
+    # [len(rows)] what a decode step that drafts costs beyond the forwards above, signed (cost.overhead); none: 0
     draft_step_overhead_ms: list[float] | None = None
 
     def save(self, path: str | Path) -> None:

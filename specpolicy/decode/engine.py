@@ -154,8 +154,9 @@ class Engine:
     # ---------------------------------------------------------------- one step
     def _step(self, rows: Rows, host: dict, caches: tuple, policy: DepthPolicy, stats: DecodeStats,
               outputs: list[list[int]]) -> dict:
+        unread = int((host["length"] - host["d_len"]).max())
         state = StepState(rows.row_ids, rows.generated, rows.row_ids.numel(), int(host["length"].sum()),
-                          self.max_new_tokens - int(host["generated"].min()))
+                          self.max_new_tokens - int(host["generated"].min()), unread)
         remaining = self.max_new_tokens - rows.generated
         with stats.deciding():
             budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes

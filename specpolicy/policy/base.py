@@ -20,6 +20,7 @@ class StepState:
     rows: int  # rows in flight
     tokens: int  # context tokens in flight (sum of row lengths)
     remaining: int | None = None  # the most new tokens a row in flight may still need (None: no bound)
+    unread: int = 1  # the most committed tokens a row's draft has yet to read (its next draft forward reads them)
 
 
 class DepthPolicy:
