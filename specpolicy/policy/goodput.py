@@ -9,7 +9,7 @@ i are accepted), the batch keeps x_i iff
 
     (E + c_i) / T_keep  >  E / T_stop,    T_stop = i D + V(i),   T_keep = i D + V(i + 1) [+ D]
 
-where D is a draft forward and V(n) a verify pass of n tokens per row at the current load (cost model),
+(E and E + c_i counted as the slowest row sets them, below), where D is a draft forward and V(n) a verify pass of n tokens per row at the current load (cost model),
 and the last D is paid only if the budget goes deeper (the draft then reads x_i). The i draft forwards
 that produced x_1..x_i are spent whatever is decided now, so both times hold them: leaving them out
 made `learned` stop 2 of 3 drafted tokens at batch 1 after paying for them (1.02x plain decoding,
@@ -30,8 +30,8 @@ costs nothing, a batch near the break-even point keeps checking, and no probing 
 
 A batch is done when its last row is (rows leave the engine's batch, none join), and speculation makes
 rows uneven: with acceptance 0.3, one token drafted per step, rows decoded alone needed 18.7 steps for 24
-tokens and pairs of rows 19.75 (SmolLM2-135M, validation prompts), which turned a 4% gain per row at
-batch 2 into a 4% loss. So a step's tokens are discounted by the wait for the slowest row
+tokens and pairs of rows 19.75 (SmolLM2-135M, validation prompts), which turned a 3% gain per row-step
+at batch 2 into a 4% loss. So a step's tokens are discounted by the wait for the slowest row
 (`batch_tokens`): nothing for one row or no known length, more for more rows and for a more variable
 draft, less as the remaining length grows. `wait_for_slowest=False` drops the discount, for batches
 whose finished rows are replaced at once (continuous batching), where tokens per step is the goal.
