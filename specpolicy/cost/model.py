@@ -52,14 +52,14 @@ class CostModel:
         committed while nobody drafted) costs beyond a 1-token one. Past the grid's longest chunk the tokens
         in flight are what cost, so the chunk is priced as more rows of that length, and past the grid's
         largest cell in proportion to it."""
-        longest, most = self._tokens[-1], 2 ** self._log_rows[-1]
+        longest, most = self.profile.tokens[-1], self.profile.rows[-1]
         if tokens <= longest:
             ms = self.forward_ms("draft", rows, tokens)
         elif rows * tokens <= most * longest:
             ms = self.forward_ms("draft", rows * tokens / longest, longest)
         else:
             ms = self.forward_ms("draft", most, longest) * rows * tokens / (most * longest)
-        return max(float(ms) - self.forward_ms("draft", rows, 1), 0.0)
+        return max(ms - self.forward_ms("draft", rows, 1), 0.0)
 
     def step_ms(self, rows: float, depth: int) -> float:
         return depth * self.draft_ms(rows) + self.forward_ms("target", rows, depth + 1)

@@ -9,9 +9,10 @@ i are accepted), the batch keeps x_i iff
 
     (E + c_i) / T_keep  >  E / T_stop,    T_stop = i D + V(i),   T_keep = i D + V(i + 1) [+ D]
 
-(E and E + c_i counted as the slowest row sets them, below), where D is a draft forward and V(n) a verify pass of n tokens per row at the current load (cost model),
-and the last D is paid only if the budget goes deeper (the draft then reads x_i). The i draft forwards
-that produced x_1..x_i are spent whatever is decided now, so both times hold them: leaving them out
+(E and E + c_i counted as the slowest row sets them, below), where D is a draft forward and V(n) a
+verify pass of n tokens per row at the current load (cost model), and the last D is paid only if the
+budget goes deeper (the draft then reads x_i). The i draft forwards that produced x_1..x_i are spent
+whatever is decided now, so both times hold them: leaving them out
 made `learned` stop 2 of 3 drafted tokens at batch 1 after paying for them (1.02x plain decoding,
 against 1.08x for drafting one token always). Deciding per row instead of per batch (E and c of one
 row) lets one confident row among 32 widen the verify pass for all of them (with that rule, `learned`
@@ -153,16 +154,18 @@ class GoodputPolicy(DepthPolicy):
         """The depth <= cap that maximises the batch's goodput when row r accepts each draft with alpha[r]."""
         j = np.arange(cap + 1)
         reach = alpha[:, None] ** j  # P(a row keeps more than j tokens): the bonus, then each draft accepted
-        mean, second = reach.cumsum(-1), (reach * (2 * j + 1)).cumsum(-1)  # E[kept], E[kept^2] at depth 0..cap
-        tokens = self._tokens(mean.mean(0), (second - mean**2).mean(0), state)
+        first, second = reach.cumsum(-1), (reach * (2 * j + 1)).cumsum(-1)  # E[kept], E[kept^2] at depth 0..cap
+        tokens = self._tokens(first, second, state)
         times = self.cost.step_times(state.rows, cap)
         if state.remaining:  # the draft's unread tokens, paid once, shared by the ~remaining / tokens steps left
             times = times + (j > 0) * self.cost.catch_up_ms(state.rows, state.unread) * tokens / state.remaining
         return int(np.argmax(tokens / times))
 
-    def _tokens(self, mean: float | np.ndarray, var: float | np.ndarray, state: StepState) -> float | np.ndarray:
-        """The batch's tokens per step per row, as the slowest row sets them (`batch_tokens`)."""
-        return batch_tokens(mean, var, state.rows, state.remaining if self.wait_for_slowest else None)
+    def _tokens(self, first: np.ndarray, second: np.ndarray, state: StepState) -> np.ndarray:
+        """The batch's tokens per step per row, as the slowest row sets them (`batch_tokens`), from each row's
+        E[kept] and E[kept^2] (rows along axis 0)."""
+        return batch_tokens(first.mean(0), (second - first**2).mean(0), state.rows,
+                            state.remaining if self.wait_for_slowest else None)
 
     def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """Per-token evidence of this step: `accepted` successes, then one failure if the row stopped at a
@@ -185,9 +188,9 @@ class GoodputPolicy(DepthPolicy):
         if position < self._depth:  # a kept x_i goes through the draft for x_{i+1}
             go += draft
         kept = self._moments + torch.stack([self._reach, (2 * position + 1) * self._reach])  # x_i kept too
-        both = torch.stack([self._moments, kept])  # [stop/go, moment, row]
-        (mean, var), (mean_go, var_go) = torch.stack([both[:, 0], both[:, 1] - both[:, 0] ** 2], 1).mean(-1).tolist()
-        keep = bool(self._tokens(mean_go, var_go, state) * stop > self._tokens(mean, var, state) * go)
+        first, second = torch.stack([self._moments, kept], -1).cpu().numpy()  # [row, stop/go] each
+        tokens_stop, tokens_go = self._tokens(first, second, state)
+        keep = bool(tokens_go * stop > tokens_stop * go)
         if keep:
             self._moments = kept
         return torch.full((features.shape[0],), keep, device=features.device)
