@@ -101,7 +101,8 @@ def time_grid(models: dict[str, PreTrainedModel], rows: list[int], tokens: list[
               repeats: int) -> dict[str, list[list[float]]]:
     """Milliseconds per forward of each model on the (rows x tokens) grid: the fastest of `repeats` rounds,
     each round one pass over every model and the whole grid, so a slow spell of a shared machine spreads
-    over many cells instead of spoiling one (interference only ever adds time). One untimed round warms up.
+    over many cells instead of spoiling one (interference only ever adds time). One round more than
+    `repeats` runs, for warm-up: the first round is timed too, and its slower times lose the minimum.
 
     Each (model, rows) pass through the grid starts with an untimed forward of its first cell: right after
     the other model's widest cell, the first forward ran slower in every round (fp32 CPU: the draft's 1 x 1
