@@ -48,7 +48,8 @@ def load_pair(cfg: DictConfig, draft_cfg: DictConfig) -> tuple[LoadedModel, Load
 
 
 def profile(cfg: DictConfig) -> None:
-    out = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype)
+    out = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype,
+                       cfg.runtime.skinny_gemm)
     if out.exists():
         log.info("profile: %s exists, skipping", out)
         return

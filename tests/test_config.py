@@ -25,8 +25,9 @@ def options(group: str) -> list[str]:
 
 
 def fake_artifacts(experiment_dir: Path) -> None:
-    """What the train stages leave for the load-aware policies: a latency profile and a depth head."""
-    synthetic.profile().save(profile_file(experiment_dir / "profile", "auto", "float32"))
+    """What the train stages leave for the load-aware policies: a latency profile (of the default kernel path,
+    `runtime.skinny_gemm=true`) and a depth head."""
+    synthetic.profile().save(profile_file(experiment_dir / "profile", "auto", "float32", skinny_gemm=True))
     synthetic.head_dir(experiment_dir / "head")
 
 
@@ -69,6 +70,17 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
                              "disable_by_batch", "heuristic", "confidence", "entropy", "goodput", "learned", "oracle"}
     assert [policies[f"static_k{k}"].k for k in (1, 2, 3, 4, 6, 8)] == [1, 2, 3, 4, 6, 8]
     assert policies["ar"].max_depth == 0
+
+
+def test_a_profile_of_one_kernel_path_never_prices_the_other(tmp_path: Path) -> None:
+    """Tall-GEMM and `nn.Linear` float32 CPU layers time differently: each has its own profile file, which
+    the policies find from `runtime.skinny_gemm`; other dtypes run `nn.Linear` either way and share one."""
+    assert profile_file(tmp_path, "cpu", "float32", True) != profile_file(tmp_path, "cpu", "float32", False)
+    assert profile_file(tmp_path, "cpu", "bfloat16", True) == profile_file(tmp_path, "cpu", "bfloat16", False)
+    fake_artifacts(tmp_path / "tiny")  # measured with skinny layers: the default
+    plain = compose_config("evaluate", ["experiment=tiny", "runtime.skinny_gemm=false"], tmp_path)
+    with pytest.raises(Exception, match="no latency profile"):  # hydra wraps the SpecPolicyError
+        instantiate(plain.eval.policies.learned)
 
 
 def test_debug_fast_uses_a_tiny_model(tmp_path: Path) -> None:

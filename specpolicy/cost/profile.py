@@ -50,9 +50,14 @@ class LatencyProfile:
         return cls(**json.loads(path.read_text()))
 
 
-def profile_file(directory: str | Path, device: str, dtype: str) -> Path:
-    """Where the profile for this device and dtype lives: `<directory>/<device>-<dtype>.json`."""
-    return Path(directory) / f"{device_name(resolve_device(device))}-{dtype}.json"
+def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bool = False) -> Path:
+    """Where the profile for this device, dtype and kernel path lives: `<directory>/<device>-<dtype>.json`,
+    or `...-skinny.json` where `runtime.skinny_gemm` runs few-row float32 CPU products as tall GEMMs
+    (`models.skinny`). Those are other kernels with another curve (a 2-token forward at batch 1: 25.4 ms
+    against 63.6 ms through `nn.Linear`), so a profile of one path must never price the other."""
+    device = resolve_device(device)
+    kernels = "-skinny" if skinny_gemm and device.type == "cpu" and dtype == "float32" else ""
+    return Path(directory) / f"{device_name(device)}-{dtype}{kernels}.json"
 
 
 def device_name(device: torch.device) -> str:

@@ -109,16 +109,17 @@ class HeadEstimator:
 
 
 class GoodputPolicy(DepthPolicy):
-    """`profile` is a LatencyProfile, or the profile stage's directory (the file for `device`/`dtype` is used)."""
+    """`profile` is a LatencyProfile, or the profile stage's directory (the file for `device`, `dtype` and
+    `skinny_gemm` is used)."""
 
     reads_features = True
 
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
-                 dtype: str = "float32", prior: float | None = None, strength: float = 4.0, memory: float = 0.95,
-                 optimism: float = 1.0, wait_for_slowest: bool = True):
+                 dtype: str = "float32", skinny_gemm: bool = False, prior: float | None = None, strength: float = 4.0,
+                 memory: float = 0.95, optimism: float = 1.0, wait_for_slowest: bool = True):
         if not isinstance(profile, LatencyProfile):
-            profile = LatencyProfile.load(profile_file(profile, device, dtype))
+            profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm))
         self.cost = CostModel(profile)
         self.max_depth = k
         self.estimator = estimator or DraftConfidence()
