@@ -65,7 +65,7 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     proc = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     exp = tmp_path / "tiny"
-    for artefact in ("draft/config.json", "draft/metrics.json", "profile/cpu-float32.json", "rollouts/dataset_info.json",
+    for artefact in ("draft/config.json", "draft/metrics.json", "profile/cpu-float32-skinny.json", "rollouts/dataset_info.json",
                      "head/head.pt"):
         assert (exp / artefact).exists(), artefact
     again = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
