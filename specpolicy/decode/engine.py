@@ -14,6 +14,8 @@ One step, for every row in flight:
   commit  rows advance by what they kept; caches roll back by length, never by copying;
   retire  rows at EOS or max_new_tokens leave the batch, so they stop costing compute.
 Plain autoregressive decoding is the same loop with depth 0 (no draft model is even needed).
+Statistics that decoding does not need (FLOP buckets, acceptance histograms) are queued each step and
+settled once the clock stops (`DecodeStats.later`), so the timed loop pays only for decoding.
 
 What the engine does not know: which policy it runs, or anything about the model family beyond
 the transformers Cache API (`base_model`, `get_output_embeddings`, 4D attention masks).
@@ -118,6 +120,7 @@ class Engine:
             stats.step_s.append(time.perf_counter() - start)
         synchronize(self.device)
         stats.wall_s = time.perf_counter() - t0
+        stats.settle()
         stats.tokens = sum(map(len, outputs))
         return DecodeResult(outputs, stats)
 
@@ -176,8 +179,8 @@ class Engine:
         with stats.deciding():
             policy.observe(state, n_draft, n_acc)
         new_host = rows.host()
-        stats.record_step(n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())  # an accepted EOS draft ends the row
-        self._account(stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
+        stats.later(stats.record_step, n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())  # an accepted EOS draft ends it
+        stats.later(self._account, stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
         return self._retire(rows, new_host, finished, caches, outputs)
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
@@ -251,13 +254,18 @@ class Engine:
                                 rows.seq.new_zeros(1, 0), self.context - 1, rows=row, features=feat)
             if model is self.target:
                 self._store(rows, row, getattr(rows, seen)[row], hidden)
-            read = torch.tensor([n])
-            stats.flops += flops.buckets(done[b : b + 1], n, start + n, read, read)
-            if seen == "t_len":
-                stats.ar_flops += float(flops.prefix(done[b : b + 1], read).sum())
+            stats.later(self._account_read, stats, flops, start, n, seen == "t_len")
             done[b] += n
             getattr(rows, seen)[b] += n
         return len(alone)
+
+    @staticmethod
+    def _account_read(stats: DecodeStats, flops: FlopModel, start: int, n: int, plain: bool) -> None:
+        """Charge a row's solo read of `n` tokens from `start` as useful (and, for the target, as plain decoding's)."""
+        starts, read = torch.tensor([start]), torch.tensor([n])
+        stats.flops += flops.buckets(starts, n, start + n, read, read)
+        if plain:
+            stats.ar_flops += float(flops.prefix(starts, read).sum())
 
     def _read(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, starts: torch.Tensor, width: int,
               keep: torch.Tensor, max_start: torch.Tensor, token: torch.Tensor | None = None,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class DecodeStats:
     steps_at_load: torch.Tensor = field(init=False)  # [batch_size+1] row-steps by rows in flight
     flops: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # BUCKETS
     ar_flops: float = 0.0  # what plain decoding would spend on the same output
+    pending: list[Callable[[], None]] = field(default_factory=list, repr=False)  # bookkeeping `later` queued
 
     def __post_init__(self) -> None:
         self.drafted_at = torch.zeros(self.max_depth, dtype=torch.long)
@@ -53,6 +55,17 @@ class DecodeStats:
         self.reached_at += ((drafted[:, None] >= positions) & (accepted[:, None] >= positions - 1)).sum(0)
         self.depth_at_load[drafted.numel()] += drafted.sum()
         self.steps_at_load[drafted.numel()] += drafted.numel()
+
+    def later(self, charge: Callable[..., None], *args) -> None:
+        """Queue bookkeeping that decoding does not need (FLOP buckets, histograms) for `settle`, after the
+        clock stops: its few dozen tiny tensor ops per step would otherwise be timed as decoding, which
+        `model.generate`, the baseline, never pays. Arguments must not change after queueing."""
+        self.pending.append(functools.partial(charge, *args))
+
+    def settle(self) -> None:
+        for charge in self.pending:
+            charge()
+        self.pending.clear()
 
     @contextmanager
     def deciding(self) -> Iterator[None]:
