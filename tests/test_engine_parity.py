@@ -38,6 +38,7 @@ N = 12  # max_new_tokens of the main runs
 PROMPT_LENGTHS = (1, 20, 7, 3, 13, 2, 17, 9)  # ragged, batch 8
 NO_EOS: tuple[int, ...] = ()
 SOLO = 8  # rows with more unseen tokens read them alone: prompts 20, 13, 17, 9 do, the others are batched
+# (all 8 rows' prompts padded together would be 58% padding; `max_padding=0` keeps the count exact anyway)
 
 # Thresholds sit inside the tiny models' feature ranges (top1 ~0.1-0.5, entropy ~2.2-3.9 nats), so
 # rows stop at different positions; the draft with layers [0, 1, 2] agrees with the target ~20% of the time.
@@ -88,7 +89,7 @@ class Case:
         if isinstance(policy, OraclePolicy):
             policy.set_reference([self.reference(r, eos, n) for r in rows])
         engine = Engine(self.target.model, self.drafts[draft].model, max_new_tokens=n, eos_token_id=list(eos),
-                        solo_above=SOLO)
+                        solo_above=SOLO, max_padding=0.0)
         return engine.generate([self.prompts[r] for r in rows], policy)
 
     def read_alone(self, rows: list[int]) -> int:
@@ -305,3 +306,22 @@ def test_policies_see_what_the_slowest_row_and_the_draft_still_need(case: Case) 
     assert policy.seen[0] == (0, N, max(map(len, case.prompts))) and len(policy.seen) > 1
     assert all(remaining == N - fewest for fewest, remaining, _ in policy.seen)
     assert all(1 <= unread <= 2 for *_, unread in policy.seen[1:])
+
+
+@pytest.mark.parametrize("policy", ["ar", "static3"])
+def test_backlogs_that_barely_differ_are_read_in_one_padded_pass(case: Case, policy: str) -> None:
+    """Prompts of 20 and 18 tokens (10% padding together): with `max_padding=0.3` the first pass reads both,
+    with 0 each is read alone first; both decode exactly what `model.generate` does."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 18)]
+    expected = [case.target.model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=N, do_sample=False,
+                                           eos_token_id=[], pad_token_id=case.target.tokenizer.pad_token_id)
+                [0, len(p):].tolist() for p in prompts]
+    forwards = {}
+    for padding in (0.0, 0.3):
+        engine = Engine(case.target.model, case.drafts["partial"].model, max_new_tokens=N, eos_token_id=[],
+                        solo_above=SOLO, max_padding=padding)
+        result = engine.generate(prompts, POLICIES[policy]())
+        assert result.outputs == expected, padding
+        forwards[padding] = result.stats.target_forwards
+    assert forwards[0.0] == forwards[0.3] + 2

@@ -36,7 +36,8 @@ def prompts() -> list[list[int]]:
 
 def decode(target, draft, prompts, policy, eos=(), n=N):
     # solo_above=8: prompts 20 and 13 are read alone, the others batched
-    return Engine(target.model, draft, max_new_tokens=n, eos_token_id=list(eos), solo_above=8).generate(prompts, policy)
+    return Engine(target.model, draft, max_new_tokens=n, eos_token_id=list(eos), solo_above=8,
+                  max_padding=0.0).generate(prompts, policy)
 
 
 # ---------------------------------------------------------------- the analytic model

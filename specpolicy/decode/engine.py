@@ -79,17 +79,20 @@ class Engine:
     def __init__(
         self, target: PreTrainedModel, draft: PreTrainedModel | None = None, max_new_tokens: int = 64,
         temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_token_id: int | list[int] | None = None,
-        solo_above: int = 16,
+        solo_above: int = 16, max_padding: float = 0.3,
     ):
         """`solo_above`: rows of a batch with more unseen tokens than this read them in a forward of their own
-        (16 prompts of 39-172 tokens: 3.1 s row by row vs 5.7 s padded to the longest, SmolLM2-135M on CPU)."""
+        (16 prompts of 39-172 tokens: 3.1 s row by row vs 5.7 s padded to the longest, SmolLM2-135M on CPU),
+        unless reading every row's backlog in one padded forward wastes at most `max_padding` of its slots:
+        a few rows of similar length read faster together (0.3 chosen on validation prompts; on the test
+        prompts, fp32 `ar` at batch 2 / 4 / 8: 62.3 / 86.2 / 85.4 tok/s against 58.3 / 82.5 / 86.0 with 0)."""
         if max_new_tokens < 1:
             raise SpecPolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise SpecPolicyError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
         self.target, self.draft = target, draft
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
-        self.solo_above = solo_above
+        self.solo_above, self.max_padding = solo_above, max_padding
         eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.device = target.device
@@ -246,6 +249,8 @@ class Engine:
         done, flops = host[seen], self.t_flops if seen == "t_len" else self.d_flops
         behind = (host["length"] - done - 1).tolist()
         alone = [b for b, n in enumerate(behind) if n >= self.solo_above]
+        if alone and 1 - sum(behind) / (len(behind) * max(behind)) <= self.max_padding:
+            return 0  # one padded pass reads every backlog, little of it padding
         for b in alone:
             start, n = int(done[b]), behind[b]
             row = slice(b, b + 1)
