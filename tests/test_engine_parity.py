@@ -76,13 +76,16 @@ class Case:
     def reference(self, row: int, eos: tuple[int, ...], n: int) -> list[int]:
         key = (row, eos, n)
         if key not in self._refs:
-            prompt = self.prompts[row]
-            out = self.target.model.generate(
-                torch.tensor([prompt], device=DEVICE), max_new_tokens=n, do_sample=False, eos_token_id=list(eos),
-                pad_token_id=self.target.tokenizer.pad_token_id,
-            )
-            self._refs[key] = out[0, len(prompt):].tolist()
+            self._refs[key] = self.generate(self.prompts[row], eos, n)
         return self._refs[key]
+
+    def generate(self, prompt: list[int], eos: tuple[int, ...], n: int) -> list[int]:
+        """The target's own greedy continuation of `prompt` (`model.generate`), uncached."""
+        out = self.target.model.generate(
+            torch.tensor([prompt], device=DEVICE), max_new_tokens=n, do_sample=False, eos_token_id=list(eos),
+            pad_token_id=self.target.tokenizer.pad_token_id,
+        )
+        return out[0, len(prompt):].tolist()
 
     def run(self, policy: str | DepthPolicy, draft: str, rows: list[int], eos: tuple[int, ...], n: int) -> DecodeResult:
         policy = POLICIES[policy]() if isinstance(policy, str) else policy
@@ -314,9 +317,7 @@ def test_backlogs_that_barely_differ_are_read_in_one_padded_pass(case: Case, pol
     with 0 each is read alone first; both decode exactly what `model.generate` does."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 18)]
-    expected = [case.target.model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=N, do_sample=False,
-                                           eos_token_id=[], pad_token_id=case.target.tokenizer.pad_token_id)
-                [0, len(p):].tolist() for p in prompts]
+    expected = [case.generate(p, NO_EOS, N) for p in prompts]
     forwards = {}
     for padding in (0.0, 0.3):
         engine = Engine(case.target.model, case.drafts["partial"].model, max_new_tokens=N, eos_token_id=[],
