@@ -20,6 +20,11 @@ import torch.nn.functional as F
 MAX_ROWS = 16
 
 
+def applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether models on `device` in `dtype` get skinny layers (`use_skinny_gemm`): float32 on a CPU only."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed as a tall GEMM when `x` holds few float32 rows on a CPU."""
     rows = x.numel() // x.shape[-1]
@@ -43,7 +48,7 @@ def use_skinny_gemm(model: torch.nn.Module) -> torch.nn.Module:
     """Make every plain `nn.Linear` in a float32 CPU `model` a `SkinnyLinear`, in place (it keeps its
     weights). Other models are left as they are: there it would only add a Python call per layer."""
     param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype != torch.float32:
+    if not applies(param.device, param.dtype):
         return model
     for module in model.modules():
         if type(module) is torch.nn.Linear:
