@@ -6,11 +6,18 @@ forward, and settles one more token per row. On a 2-core AVX-512 CPU in bf16, st
 slower than the bare forwards predicted at batch 1-4, which turned the cost model's small predicted gains
 at batch 2-4 into measured losses. So the profile stage also runs the engine itself at each of the
 profile's row counts, once at depth 0 and once drafting one token per step with features (as `goodput` and
-`learned` draft), and records how much more the drafting step took than the grid predicts: the
-difference of the median step times minus the difference of the predicted ones. It may be negative:
-the grid keeps each cell's fastest round, and on the same VM at batch 1 a drafting step took 1.0 ms
-less than the grid's 6.4 ms (median of three runs of 48 steps). But a draft position never costs less
-than nothing, so the correction stops at minus the draft forward. With 12 timed steps the correction at
+`learned` draft), and records how much more the drafting step took than the grid predicts.
+
+The machine's speed drifts between the grid and these runs, and between runs: on a 2-core VM in bf16 a
+plain step at batch 1 took 23.0-23.5 ms an hour after the grid timed its forward at 19.7 ms, so the
+difference of the step times (5.3-6.1 ms in six rounds) read 1.0-1.7 ms of overhead that was mostly the
+drift scaling the draft forward and the wider verify. The runs therefore alternate for `rounds` rounds, each
+round gives the ratio of the median drafting step to the median plain step, and the median ratio, put on
+the grid's own plain step, is the drafting step the grid should have predicted (0.4 ms over it at batch 1
+with those six rounds). That ratio is also what a policy's choice between drafting and not turns on: the
+engine's fixed per-step work, which the grid leaves out of both, makes drafting relatively cheaper, and the
+correction takes that in. The correction may be negative (the grid keeps each cell's fastest round), but a draft position
+never costs less than nothing, so it stops at minus the draft forward. With 12 timed steps the correction at
 4 rows ranged over 0.1-6.3 ms in three runs, with 48 over 4.5-5.1 ms.
 """
 
@@ -37,20 +44,22 @@ class _DraftingProbe(StaticPolicy):
 
 
 def drafting_overhead(target: PreTrainedModel, draft: PreTrainedModel, profile: LatencyProfile, steps: int,
-                      seed: int = 0) -> list[float]:
+                      rounds: int = 3, seed: int = 0) -> list[float]:
     """Milliseconds per drafting step beyond the profiled forwards, for each of `profile.rows`; `steps`
-    timed steps per run, after `WARM_STEPS`, on random prompts of `profile.context` tokens."""
+    timed steps per run, after `WARM_STEPS`, `rounds` runs of each policy, on random prompts of
+    `profile.context` tokens."""
     cost = CostModel(profile)
     engine = Engine(target, draft, max_new_tokens=steps + WARM_STEPS, eos_token_id=[])  # no row ends early
     generator = torch.Generator().manual_seed(seed)
     overhead = []
     for rows in tqdm(profile.rows, desc="profile (drafting overhead)"):
         prompts = torch.randint(0, target.config.vocab_size, (rows, profile.context), generator=generator).tolist()
-        plain, drafting = (_median_step_ms(engine, prompts, policy) for policy in (ArPolicy(), _DraftingProbe(k=1)))
-        predicted = cost.step_ms(rows, 1) - cost.step_ms(rows, 0)
-        overhead.append(max(drafting - plain - predicted, -cost.forward_ms("draft", rows, 1)))
+        policies = ArPolicy(), _DraftingProbe(k=1)
+        ratios = []
+        for r in range(rounds):  # alternating which runs first, so a drift within the round favours neither
+            order = (0, 1) if r % 2 == 0 else (1, 0)
+            median = {i: statistics.median(engine.generate(prompts, policies[i]).stats.step_s[WARM_STEPS:]) for i in order}
+            ratios.append(median[1] / median[0])
+        drafting = cost.step_ms(rows, 0) * statistics.median(ratios)
+        overhead.append(max(drafting - cost.step_ms(rows, 1), -cost.forward_ms("draft", rows, 1)))
     return overhead
-
-
-def _median_step_ms(engine: Engine, prompts: list[list[int]], policy: StaticPolicy | ArPolicy) -> float:
-    return 1e3 * statistics.median(engine.generate(prompts, policy).stats.step_s[WARM_STEPS:])
