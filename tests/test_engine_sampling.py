@@ -8,6 +8,7 @@ draft position, the second, and the bonus token.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from conftest import DEVICE
 from specpolicy.decode import Engine, sampling
+from specpolicy.models.vocab import SubsetHead
 from specpolicy.policy import StaticPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -33,6 +35,15 @@ WARPS = [(1.0, 1.0), (0.7, 0.8)]  # (temperature, top_p)
 @pytest.fixture(scope="module")
 def models(tiny_model):
     return tiny_model("llama", seed=0, **SMALL_VOCAB).model, tiny_model("llama", seed=1, **SMALL_VOCAB).model
+
+
+@pytest.fixture(scope="module")
+def subset_models(models):
+    """The draft scores 6 of the 8 tokens (`SubsetHead`), so it proposes in the subset's index: the engine must
+    map its tokens and distributions back to the vocabulary before the rejection rule compares them."""
+    draft = copy.deepcopy(models[1])  # the fixture's models are shared: never modified
+    draft.set_output_embeddings(SubsetHead(draft.get_output_embeddings(), torch.arange(1, 7)))
+    return models[0], draft
 
 
 def exact_joint(model, prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
@@ -68,8 +79,10 @@ def sampled_joint(models, temperature: float, top_p: float, seed: int = 0) -> tu
     return torch.bincount(index, minlength=V**NEW), result.stats.acceptance_rate
 
 
+@pytest.mark.parametrize("pair", ["models", "subset_models"])
 @pytest.mark.parametrize(("temperature", "top_p"), WARPS)
-def test_sampling_keeps_the_target_distribution(models, temperature: float, top_p: float) -> None:
+def test_sampling_keeps_the_target_distribution(request, pair: str, temperature: float, top_p: float) -> None:
+    models = request.getfixturevalue(pair)
     counts, acceptance = sampled_joint(models, temperature, top_p)
     assert 0.2 < acceptance < 0.9, "the draft should be accepted only partly, or the test proves little"
     p_value = chi_square_p(counts, exact_joint(models[0], PROMPT, NEW, temperature, top_p))

@@ -15,6 +15,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from specpolicy.models.fusion import model_inputs
+from specpolicy.models.vocab import scorer
 
 
 class RaggedCache(Cache):
@@ -76,7 +77,8 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `tokens` [B, W] of cache rows `rows` at per-row offsets `starts` [B]; return logits at positions
     `keep` [B, K] and the final hidden states [B, W, d] (a fusing draft's features, `models.fusion`; it
-    also reads `features` [B, W, d]).
+    also reads `features` [B, W, d]). The logits are over the tokens the model can write (`models.vocab.scorer`):
+    the whole vocabulary, or a draft's subset in the subset's own order.
 
     Only the kept positions go through the LM head, so a long prefill does not pay W x vocab logits.
     The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only.
@@ -94,4 +96,4 @@ def forward(
         use_cache=True,
     ).last_hidden_state  # [B, W, d]
     picked = hidden.gather(1, keep[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, K, d]
-    return model.get_output_embeddings()(picked).float(), hidden  # [B, K, V], [B, W, d]
+    return scorer(model)[0](picked).float(), hidden  # [B, K, V], [B, W, d]

@@ -36,6 +36,7 @@ from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import context_length
+from specpolicy.models.vocab import subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
 from specpolicy.runtime import synchronize
@@ -102,6 +103,9 @@ class Engine:
         self.t_flops = FlopModel.from_model(target)
         self.d_flops = FlopModel.from_model(draft) if draft is not None else None
         self.fuse = fuses_features(draft)
+        # a draft that scores a vocabulary subset drafts in the subset's index (`models.vocab`): its argmax,
+        # features and distributions cover 8k scores, not 49k mostly -inf ones; `_draft` maps ids back
+        self.draft_ids = subset_of(draft) if draft is not None else None
 
     # ---------------------------------------------------------------- public
     @torch.inference_mode()
@@ -203,6 +207,8 @@ class Engine:
         n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
         for i in range(1, depth + 1):
             x_i, p_i = sampling.propose(logits, self.temperature, self.top_p, rows.seeds, rows.generated + i - 1)
+            if self.draft_ids is not None:
+                x_i = self.draft_ids[x_i]
             features = None
             if policy.reads_features:  # softmax statistics over the vocabulary: ~5x an argmax, so only on demand
                 features = draft_features(logits, cum, i, state.rows, state.tokens)
@@ -222,6 +228,8 @@ class Engine:
             logits = logits[:, 0]
             stats.draft_forwards += 1
         p = torch.stack(dists, 1) if self.temperature > 0 else None
+        if p is not None and self.draft_ids is not None:  # the rejection rule compares it with the target's
+            p = p.new_zeros(*p.shape[:2], self.vocab).index_copy_(-1, self.draft_ids, p)
         return torch.stack(tokens, 1), p, n_draft, len(tokens) - 1
 
     def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, n_draft: torch.Tensor,

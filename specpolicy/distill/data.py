@@ -38,7 +38,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import additive_mask
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import model_inputs, shift, unwrap
-from specpolicy.models.vocab import SubsetHead
+from specpolicy.models.vocab import scorer
 
 log = logging.getLogger(__name__)
 SOURCES = ("target", "draft")
@@ -212,8 +212,7 @@ def masked_logits(model: PreTrainedModel, batch: dict[str, torch.Tensor],
     `hidden`: the model's hidden states when the caller has them already."""
     hf = unwrap(model)
     hidden = hidden_states(hf, batch) if hidden is None else hidden
-    head = hf.get_output_embeddings()
-    return (head.scores if isinstance(head, SubsetHead) else head)(hidden[batch["loss_mask"]])  # [N, H] -> [N, V|n]
+    return scorer(hf)[0](hidden[batch["loss_mask"]])  # [N, H] -> [N, V|n]
 
 
 def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[str, torch.Tensor]:

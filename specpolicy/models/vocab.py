@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
+from specpolicy.models.fusion import unwrap
 from specpolicy.models.loading import LoadedModel
 from specpolicy.models.skinny import SkinnyLinear, use_skinny_gemm
 
@@ -75,11 +76,18 @@ def restore_full_head(model: torch.nn.Module, full: torch.nn.Module) -> None:
     model.set_output_embeddings(full)
 
 
+def scorer(model: torch.nn.Module) -> tuple[torch.nn.Module | Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
+    """What scores `model`'s hidden states over the tokens it can write, and the token id of each score
+    (None: the whole vocabulary, in id order). A `SubsetHead` scores its subset only, so a caller that works
+    in the subset's own index (the decode engine drafting, distillation's loss) never builds, reads or
+    softmaxes [..., 49k] logits that are -inf outside it."""
+    head = unwrap(model).get_output_embeddings()
+    return (head.scores, head.token_ids) if isinstance(head, SubsetHead) else (head, None)
+
+
 def subset_of(model: torch.nn.Module) -> torch.Tensor | None:
     """The token ids a model's head scores, or None when it scores the whole vocabulary."""
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model wraps the HF one
-    head = hf.get_output_embeddings()
-    return head.token_ids if isinstance(head, SubsetHead) else None
+    return scorer(model)[1]
 
 
 def vocab_file_text(token_ids: torch.Tensor) -> str:
