@@ -127,7 +127,7 @@ class GoodputPolicy(DepthPolicy):
         self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
         self.strength, self.memory, self.optimism = strength, memory, optimism
         self.wait_for_slowest = wait_for_slowest
-        self._moments, self._reach = torch.empty(0), torch.empty(0)
+        self._moments, self._reach = np.zeros((2, 0)), np.zeros(0)
         self._accepted = self._verified = np.zeros(0)  # per-row evidence, on the host: a few rows, every step
         self._depth = 0  # this step's budget: keeping a token short of it commits to one more draft forward
 
@@ -178,20 +178,20 @@ class GoodputPolicy(DepthPolicy):
         self._verified[rows] += accepted + ((accepted < drafted) | wasted)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
+        accept = self.estimator(features).cpu().numpy()  # the one device-to-host copy; the rest is a few numbers
         if position == 1:  # per row, E[kept] and E[kept^2] of this step so far: the bonus token
-            self._moments = torch.ones(2, features.shape[0], device=features.device)
-            self._reach = torch.ones(features.shape[0], device=features.device)
-        self._reach = self._reach * self.estimator(features)  # P(drafts 1..position all accepted), per row
+            self._moments, self._reach = np.ones((2, len(accept))), np.ones(len(accept))
+        self._reach = self._reach * accept  # P(drafts 1..position all accepted), per row
         draft = self.cost.draft_ms(state.rows)
         paid = position * draft  # the forwards behind x_1..x_i: spent, whatever is decided now
         stop = paid + self.cost.forward_ms("target", state.rows, position)
         go = paid + self.cost.forward_ms("target", state.rows, position + 1)
         if position < self._depth:  # a kept x_i goes through the draft for x_{i+1}
             go += draft
-        kept = self._moments + torch.stack([self._reach, (2 * position + 1) * self._reach])  # x_i kept too
-        first, second = torch.stack([self._moments, kept], -1).cpu().numpy()  # [row, stop/go] each
+        kept = self._moments + np.stack([self._reach, (2 * position + 1) * self._reach])  # x_i kept too
+        first, second = np.stack([self._moments, kept], -1)  # [row, stop/go] each
         tokens_stop, tokens_go = self._tokens(first, second, state)
         keep = bool(tokens_go * stop > tokens_stop * go)
         if keep:
             self._moments = kept
-        return torch.full((features.shape[0],), keep, device=features.device)
+        return torch.full((len(accept),), keep, device=features.device)
