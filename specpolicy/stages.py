@@ -58,7 +58,7 @@ def profile(cfg: DictConfig) -> None:
     latency = measure(target.model, draft.model, list(p.rows), list(p.tokens), p.context, p.repeats, cfg.runtime.dtype)
     if p.overhead_steps:
         latency.draft_step_overhead_ms = drafting_overhead(target.model, draft.model, latency, p.overhead_steps,
-                                                               p.overhead_rounds)
+                                                           p.overhead_rounds)
         log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
                  [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
     latency.save(out)

@@ -12,6 +12,7 @@ import torch
 import synthetic
 from specpolicy.cost.model import CostModel
 from specpolicy.decode import Engine
+from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import StaticPolicy, StepState
 from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator, batch_tokens, expected_max_normal
 from specpolicy.policy.head import DepthHead, HeadConfig
@@ -277,6 +278,8 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
     target = tiny_model()
     draft = LayerSubsetDraft([0, 1]).build(target).model
     profile = measure(target.model, draft, rows=[1, 2], tokens=[1, 2], context=8, repeats=1, dtype="float32")
+    with pytest.raises(SpecPolicyError, match="overhead_rounds must be >= 1"):
+        drafting_overhead(target.model, draft, profile, steps=8, rounds=0)
     free = drafting_overhead(target.model, draft, profile, steps=8)
     assert len(free) == 2 and all(abs(ms) < 10 for ms in free), free
 

@@ -16,9 +16,9 @@ round gives the ratio of the median drafting step to the median plain step, and 
 the grid's own plain step, is the drafting step the grid should have predicted (0.4 ms over it at batch 1
 with those six rounds). That ratio is also what a policy's choice between drafting and not turns on: the
 engine's fixed per-step work, which the grid leaves out of both, makes drafting relatively cheaper, and the
-correction takes that in. The correction may be negative (the grid keeps each cell's fastest round), but a draft position
-never costs less than nothing, so it stops at minus the draft forward. With 12 timed steps the correction at
-4 rows ranged over 0.1-6.3 ms in three runs, with 48 over 4.5-5.1 ms.
+correction takes that in. It may be negative (the grid keeps each cell's fastest round), but a draft
+position never costs less than nothing, so it stops at minus the draft forward. With 12 timed steps the
+correction at 4 rows ranged over 0.1-6.3 ms in three runs, with 48 over 4.5-5.1 ms.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile
 from specpolicy.decode import Engine
+from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import ArPolicy, StaticPolicy
 
 WARM_STEPS = 2  # the first steps read the prompts (a fusing draft reads them one step later)
@@ -48,6 +49,8 @@ def drafting_overhead(target: PreTrainedModel, draft: PreTrainedModel, profile: 
     """Milliseconds per drafting step beyond the profiled forwards, for each of `profile.rows`; `steps`
     timed steps per run, after `WARM_STEPS`, `rounds` runs of each policy, on random prompts of
     `profile.context` tokens."""
+    if rounds < 1:
+        raise SpecPolicyError(f"profile.overhead_rounds must be >= 1 (or profile.overhead_steps=0 to skip), got {rounds}")
     cost = CostModel(profile)
     engine = Engine(target, draft, max_new_tokens=steps + WARM_STEPS, eos_token_id=[])  # no row ends early
     generator = torch.Generator().manual_seed(seed)
@@ -58,8 +61,9 @@ def drafting_overhead(target: PreTrainedModel, draft: PreTrainedModel, profile: 
         ratios = []
         for r in range(rounds):  # alternating which runs first, so a drift within the round favours neither
             order = (0, 1) if r % 2 == 0 else (1, 0)
-            median = {i: statistics.median(engine.generate(prompts, policies[i]).stats.step_s[WARM_STEPS:]) for i in order}
-            ratios.append(median[1] / median[0])
+            step = {i: statistics.median(engine.generate(prompts, policies[i]).stats.step_s[WARM_STEPS:])
+                    for i in order}
+            ratios.append(step[1] / step[0])
         drafting = cost.step_ms(rows, 0) * statistics.median(ratios)
         overhead.append(max(drafting - cost.step_ms(rows, 1), -cost.forward_ms("draft", rows, 1)))
     return overhead

@@ -76,7 +76,7 @@ def restore_full_head(model: torch.nn.Module, full: torch.nn.Module) -> None:
     model.set_output_embeddings(full)
 
 
-def scorer(model: torch.nn.Module) -> tuple[torch.nn.Module | Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
+def scorer(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
     """What scores `model`'s hidden states over the tokens it can write, and the token id of each score
     (None: the whole vocabulary, in id order). A `SubsetHead` scores its subset only, so a caller that works
     in the subset's own index (the decode engine drafting, distillation's loss) never builds, reads or
