@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from compose import ROOT
+from specpolicy.cost.profile import profile_file
 
 
 def run(script: str, *overrides: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -65,8 +66,8 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     proc = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     exp = tmp_path / "tiny"
-    for artefact in ("draft/config.json", "draft/metrics.json", "profile/cpu-float32-skinny.json", "rollouts/dataset_info.json",
-                     "head/head.pt"):
+    profile = profile_file("profile", "cpu", "float32", skinny_gemm=True)
+    for artefact in ("draft/config.json", "draft/metrics.json", profile, "rollouts/dataset_info.json", "head/head.pt"):
         assert (exp / artefact).exists(), artefact
     again = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert again.returncode == 0 and (again.stdout + again.stderr).count("skipping") >= 4, again.stdout[-2000:]

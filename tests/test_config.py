@@ -72,6 +72,18 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
     assert policies["ar"].max_depth == 0
 
 
+def test_a_cpu_profile_belongs_to_its_instruction_set(tmp_path: Path, monkeypatch) -> None:
+    """Two CPUs with the same model name but other vector units have other curves: other profile files."""
+    names = {}
+    for isa, bf16 in (("AVX2", False), ("AVX512", False), ("AVX512", True)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda bf16=bf16: bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        names[isa, bf16] = profile_file(tmp_path, "cpu", "bfloat16").name
+    assert names == {("AVX2", False): "cpu-avx2-bfloat16.json", ("AVX512", False): "cpu-avx512-bfloat16.json",
+                     ("AVX512", True): "cpu-avx512-bf16-bfloat16.json"}
+
+
 def test_a_profile_of_one_kernel_path_never_prices_the_other(tmp_path: Path) -> None:
     """Tall-GEMM and `nn.Linear` float32 CPU layers time differently: each has its own profile file, which
     the policies find from `runtime.skinny_gemm`; other dtypes run `nn.Linear` either way and share one."""

@@ -62,8 +62,15 @@ def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bo
 
 
 def device_name(device: torch.device) -> str:
-    """A file-name-safe name for the hardware: the GPU's model, or `cpu`."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    """A file-name-safe name for the hardware a profile holds for: the GPU's model, or for a CPU the vector
+    instructions torch dispatches to, plus `bf16` where the CPU has bf16 dot products (AVX512-BF16 or AMX).
+    VMs that all call themselves `AMD EPYC` came with AVX2 on one day and AVX-512 BF16 on another, and
+    their curves differ most in bf16, so a profile of one must not price the other."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        name = f"cpu-{torch.backends.cpu.get_cpu_capability()}{'-bf16' if bf16 else ''}"
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
