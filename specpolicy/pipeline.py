@@ -20,10 +20,11 @@ from specpolicy import stages
 from specpolicy.data import encode_prompts
 from specpolicy.distill.stage import distil
 from specpolicy.errors import SpecPolicyError
+from specpolicy.cost.profile import device_name
 from specpolicy.decode import Engine
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
-from specpolicy.eval.runner import side_by_side, summarise
+from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
 
@@ -63,8 +64,9 @@ def evaluate(cfg: DictConfig) -> None:
         log.info("evaluate: batch size %d, %d policies, %d prompts", bs, len(policies), len(prompts))
         # side_by_side warms up at every batch size: when it warmed up only at the first, `ar` (first in the
         # only batch at batch 32) measured 57 tok/s against 72-79 tok/s for policies doing the same work
-        runs = side_by_side(engine, prompts, policies, bs, cfg.eval.repeats)
-        rows += summarise(runs) + hf_rows(cfg, engine, target, draft, prompts, bs, runs["ar"].summary(None))
+        baselines = hf_baselines(cfg, engine, target, draft, bs)
+        runs = side_by_side(engine, prompts, policies, bs, cfg.eval.repeats, baselines)
+        rows += summarise(runs)
         outputs += [{"policy": name, "batch_size": bs, "prompt_index": i, "prompt_ids": prompts[i], "output_ids": out,
                      "text": target.tokenizer.decode(out, skip_special_tokens=True)}
                     for name, run in runs.items() for i, out in enumerate(run.outputs)]
@@ -80,27 +82,21 @@ def evaluate(cfg: DictConfig) -> None:
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
 
 
-def hf_rows(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel, prompts: list[list[int]],
-            bs: int, ar: dict) -> list[dict]:
+def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,
+                 bs: int) -> dict[str, Baseline]:
     """transformers' generate at this batch size, and assisted generation at batch 1 (greedy only; not with a
     draft that fuses the target's features, which `assistant_model=` cannot give it)."""
     if not cfg.eval.hf_baselines or engine.temperature > 0:
-        return []
+        return {}
     eos, pad, n = target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id, engine.max_new_tokens
-    timed = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos)}
+    baselines = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos)}
     if bs == 1 and not fuses_features(draft.model):
-        timed["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, cfg.eval.hf_assisted_k, eos)
-    rows = []
-    for name, run in timed.items():
-        run(prompts[:bs])  # warm-up, as for the engine's policies
-        results = [run(prompts[s : s + bs]) for s in range(0, len(prompts), bs)]
-        tokens, wall = sum(len(o) for outs, _ in results for o in outs), sum(sec for _, sec in results)
-        rows.append({"policy": name, "batch_size": bs, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                     "speedup": tokens / wall / ar["tokens_per_s"]})
-    return rows
+        k = cfg.eval.hf_assisted_k
+        baselines["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, k, eos)
+    return baselines
 
 
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    return f"{platform.machine()} {device_name(device)}, {os.cpu_count()} CPU cores, torch {torch.__version__}"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specpolicy.decode import Engine
+from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
@@ -103,6 +104,31 @@ def test_repeats_time_every_batch_again_and_keep_one_output_per_prompt(tiny_mode
     assert list(runs)[0] == "ar"
     assert all(len(run.stats) == 6 and len(run.outputs) == 3 for run in runs.values())
     assert all(row["first_mismatch"] is None for row in summarise(runs))
+
+
+def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_model) -> None:
+    """transformers' decoders join every pass and every batch's rotation; a baseline whose outputs differ from
+    `ar`'s shows its share of matching prompts, and is not a losslessness violation of the engine."""
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=4)
+    calls: list[int] = []
+
+    def plain(batch: list[list[int]]) -> tuple[list[list[int]], float]:  # the engine's own decoding, as a baseline
+        calls.append(len(batch))
+        return engine.generate(batch, ArPolicy()).outputs, 0.5
+
+    baselines = {"plain": plain, "wrong": lambda batch: ([[0]] * len(batch), 0.25)}
+    policies = {"ar": ArPolicy(), "static_k1": StaticPolicy(k=1)}
+    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9, 10, 11]], policies, 2, repeats=2, baselines=baselines)
+    assert calls == [2, 2, 1, 2, 1]  # warm-up, then both batches in each of two passes
+    rows = {row["policy"]: row for row in summarise(runs)}
+    assert rows["plain"]["wall_s"] == 2.0 and rows["plain"]["tokens"] == rows["ar"]["tokens"]
+    assert rows["plain"]["ar_match"] == 1.0 and rows["wrong"]["ar_match"] == 0.0 and rows["wrong"]["tokens"] == 6
+    assert "first_mismatch" not in rows["wrong"] and report.lossless(meta(), list(rows.values()))["mismatches"] == []
+    firsts = {_order({**policies, **baselines}, shift)[0] for shift in range(4)}
+    assert firsts == {"ar", "static_k1", "plain", "wrong"}
+    with pytest.raises(SpecPolicyError, match="a baseline has a policy's name"):
+        side_by_side(engine, [[3, 4]], policies, 1, baselines={"ar": plain})
 
 
 def read_json(out: Path) -> dict:

@@ -1,10 +1,13 @@
 """Run several depth policies side by side on the same prompts and batches, as gpt-fast measures:
 warm-up outside the timed region, device-synchronised timing (inside the engine), policies interleaved
 batch by batch in an order that rotates from batch to batch and pass to pass, so machine noise and
-drift hit all of them alike, and speedup as a ratio of totals."""
+drift hit all of them alike, and speedup as a ratio of totals. Decoders outside the engine (transformers'
+`generate`, the honesty baselines) join the same rotation: timed in a pass of their own after the
+policies, `hf_generate` once read 1.06x `ar` where an interleaved benchmark read 0.99x."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -12,6 +15,31 @@ from tqdm.auto import tqdm
 from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import DepthPolicy, OraclePolicy
+
+
+# a decoder outside the engine: one batch of prompts -> (generated ids per prompt, device-synchronised seconds)
+Baseline = Callable[[list[list[int]]], tuple[list[list[int]], float]]
+
+
+@dataclass
+class BaselineRun:
+    """A baseline's totals: it has no drafts or FLOP buckets, only tokens, seconds and outputs."""
+    policy: str
+    batch_size: int
+    tokens: int = 0
+    wall_s: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, outputs: list[list[int]], seconds: float, keep_outputs: bool) -> None:
+        self.tokens += sum(map(len, outputs))
+        self.wall_s += seconds
+        if keep_outputs:
+            self.outputs.extend(outputs)
+
+    def summary(self, ar_tokens_per_s: float | None) -> dict:
+        tps = self.tokens / self.wall_s if self.wall_s else 0.0
+        return {"policy": self.policy, "batch_size": self.batch_size, "tokens": self.tokens, "wall_s": self.wall_s,
+                "tokens_per_s": tps, "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None}
 
 
 @dataclass
@@ -47,71 +75,80 @@ class PolicyRun:
         }
 
 
+Run = PolicyRun | BaselineRun
+
+
 def side_by_side(
-    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int, repeats: int = 1
-) -> dict[str, PolicyRun]:
-    """Decode `prompts` in batches of `batch_size` with every policy, `repeats` timed passes (outputs are
-    kept from the first). A policy that always ran first would take the machine's drifts alone (`ar`, first
-    in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so the order rotates."""
+    engine: Engine, prompts: list[list[int]], policies: dict[str, DepthPolicy], batch_size: int, repeats: int = 1,
+    baselines: dict[str, Baseline] | None = None,
+) -> dict[str, Run]:
+    """Decode `prompts` in batches of `batch_size` with every policy and baseline, `repeats` timed passes
+    (outputs are kept from the first). A decoder that always ran first would take the machine's drifts alone
+    (`ar`, first in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so
+    the order rotates."""
     if repeats < 1:
         raise SpecPolicyError(f"eval.repeats must be >= 1, got {repeats}")
-    runs = {name: PolicyRun(name, batch_size, upper_bound=isinstance(policy, OraclePolicy), kind=type(policy).__name__)
-            for name, policy in sorted(policies.items(), key=lambda item: item[0] != "ar")}  # reports list ar first
-    # warm-up, untimed, at every batch size (allocator, kernels, caches): every policy runs the first batch once
-    _decode_batch(engine, prompts[:batch_size], policies, _order(policies, 0), {n: PolicyRun(n, batch_size) for n in runs})
+    decoders: dict[str, DepthPolicy | Baseline] = {**policies, **(baselines or {})}
+    if len(decoders) < len(policies) + len(baselines or {}):
+        raise SpecPolicyError(f"a baseline has a policy's name: {sorted(set(policies) & set(baselines or {}))}")
+    fresh = lambda: {name: _new_run(name, d, batch_size) for name, d in decoders.items()}  # noqa: E731
+    # warm-up, untimed, at every batch size (allocator, kernels, caches): every decoder runs the first batch once
+    _decode_batch(engine, prompts[:batch_size], decoders, _order(decoders, 0), fresh())
+    runs = dict(sorted(fresh().items(), key=lambda item: item[0] != "ar"))  # reports list ar first
     starts = range(0, len(prompts), batch_size)
     for rep in range(repeats):
-        for i, start in enumerate(tqdm(starts, desc=f"batch size {batch_size} ({len(runs)} policies, pass {rep + 1}"
+        for i, start in enumerate(tqdm(starts, desc=f"batch size {batch_size} ({len(runs)} decoders, pass {rep + 1}"
                                                     f"/{repeats})", unit="batch")):
-            _decode_batch(engine, prompts[start : start + batch_size], policies, _order(policies, rep + i), runs,
+            _decode_batch(engine, prompts[start : start + batch_size], decoders, _order(decoders, rep + i), runs,
                           keep_outputs=rep == 0)
     return runs
 
 
-def _order(policies: dict[str, DepthPolicy], shift: int) -> list[str]:
-    """The policies rotated by `shift`; those that need `ar`'s outputs of the batch (the oracle) last."""
-    plain = [name for name, policy in policies.items() if not isinstance(policy, OraclePolicy)]
+def _new_run(name: str, decoder: DepthPolicy | Baseline, batch_size: int) -> Run:
+    if isinstance(decoder, DepthPolicy):
+        return PolicyRun(name, batch_size, upper_bound=isinstance(decoder, OraclePolicy), kind=type(decoder).__name__)
+    return BaselineRun(name, batch_size)
+
+
+def _order(decoders: dict[str, DepthPolicy | Baseline], shift: int) -> list[str]:
+    """The decoders rotated by `shift`; those that need `ar`'s outputs of the batch (the oracle) last."""
+    plain = [name for name, decoder in decoders.items() if not isinstance(decoder, OraclePolicy)]
     shift %= max(len(plain), 1)
-    return plain[shift:] + plain[:shift] + [name for name in policies if name not in plain]
+    return plain[shift:] + plain[:shift] + [name for name in decoders if name not in plain]
 
 
-def _decode_batch(engine: Engine, batch: list[list[int]], policies: dict[str, DepthPolicy], names: list[str],
-                  runs: dict[str, PolicyRun], keep_outputs: bool = True) -> None:
+def _decode_batch(engine: Engine, batch: list[list[int]], decoders: dict[str, DepthPolicy | Baseline],
+                  names: list[str], runs: dict[str, Run], keep_outputs: bool = True) -> None:
     reference: list[list[int]] = []
     for name in names:
-        policy = policies[name]
-        if isinstance(policy, OraclePolicy):
-            if "ar" not in policies:
+        decoder, run = decoders[name], runs[name]
+        if isinstance(run, BaselineRun):
+            run.add(*decoder(batch), keep_outputs)
+            continue
+        if isinstance(decoder, OraclePolicy):
+            if "ar" not in decoders:
                 raise SpecPolicyError("the oracle needs the target's greedy outputs: add `ar` to eval.policies")
-            policy.set_reference(reference)
-        result = engine.generate(batch, policy)
+            decoder.set_reference(reference)
+        result = engine.generate(batch, decoder)
         reference = result.outputs if name == "ar" else reference
-        runs[name].stats.append(result.stats)
+        run.stats.append(result.stats)
         if keep_outputs:
-            runs[name].outputs.extend(result.outputs)
+            run.outputs.extend(result.outputs)
 
 
-def summarise(runs: dict[str, PolicyRun]) -> list[dict]:
+def summarise(runs: dict[str, Run]) -> list[dict]:
+    """One row per decoder. Greedy fp32 decoding must be lossless, so an engine policy's `first_mismatch` with
+    `ar` is a bug, reported loudly; a baseline's outputs (other kernels, padded batches) get only `ar_match`,
+    the share of prompts with `ar`'s output, which is also what bf16 reports (a k-token pass rounds differently)."""
     ar = runs.get("ar")
     ar_tps = ar.summary(None)["tokens_per_s"] if ar else None
-    rows = [run.summary(ar_tps) for run in runs.values()]
-    for row in rows:  # greedy fp32 decoding must be lossless: any difference from ar is a bug, reported loudly
-        outputs = runs[row["policy"]].outputs
-        same = [a == b for a, b in zip(ar.outputs, outputs)] if ar else []
-        row["first_mismatch"] = same.index(False) if False in same else None
-        row["ar_match"] = sum(same) / len(same) if same else None  # what bf16 reports instead (rounding differs)
+    rows = []
+    for run in runs.values():
+        row = run.summary(ar_tps)
+        same = [a == b for a, b in zip(ar.outputs, run.outputs)] if ar else []
+        if isinstance(run, PolicyRun):
+            row["first_mismatch"] = same.index(False) if False in same else None
+        row["ar_match"] = sum(same) / len(same) if same else None
+        rows.append(row)
     return rows
 
-
-def format_table(rows: list[dict]) -> str:
-    head = "| policy | batch | tokens | tok/s | speedup | accept | tau | depth | FLOPs vs AR | = AR output |"
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        f = r["flops"]
-        same = "yes" if r["first_mismatch"] is None else f"NO, prompt {r['first_mismatch']}"
-        lines.append(
-            f"| {r['policy']} | {r['batch_size']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
-            f"{r['speedup'] or 0:.2f}x | {r['acceptance_rate']:.2f} | {r['mean_accepted']:.2f} | "
-            f"{r['mean_depth']:.2f} | {f['total'] / f['ar_equivalent']:.2f}x | {same} |"
-        )
-    return "\n".join(lines)
