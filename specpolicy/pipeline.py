@@ -54,6 +54,7 @@ def train(cfg: DictConfig) -> None:
 def evaluate(cfg: DictConfig) -> None:
     """Every policy in `eval.policies` at every batch size in `eval.batch_sizes`, side by side on the same
     prompts, plus transformers' own decoding as honesty baselines; writes the report to `eval.out_dir`."""
+    check_eval_settings(cfg.eval)
     target, draft = stages.load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]
@@ -80,6 +81,17 @@ def evaluate(cfg: DictConfig) -> None:
         logger.experiment.finish()
     print(report.read_text().split("![")[0])
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
+
+
+def check_eval_settings(settings: DictConfig) -> None:
+    """Refuse batch sizes and prompt counts that cannot decode before any model loads (`eval.batch_sizes=[0]`
+    used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
+    sizes = list(settings.batch_sizes)
+    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
+        raise SpecPolicyError(f"eval.batch_sizes must be a non-empty list of integers >= 1, got {sizes}")
+    n = settings.num_prompts
+    if n is not None and not (isinstance(n, int) and n >= 1):
+        raise SpecPolicyError(f"eval.num_prompts must be an integer >= 1 (or null for the whole split), got {n}")
 
 
 def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,

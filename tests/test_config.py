@@ -12,6 +12,8 @@ from omegaconf import OmegaConf
 import synthetic
 from compose import CONF, compose_config
 from specpolicy.cost.profile import profile_file
+from specpolicy.errors import SpecPolicyError
+from specpolicy.pipeline import evaluate
 
 # options with mandatory values (???) get one here; the gpu trainer is only built where there is a GPU
 REQUIRED = {("target", "pretrained"): ["target.path=org/model"], ("draft", "pretrained"): ["draft.source.path=org/m"]}
@@ -70,6 +72,17 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
                              "disable_by_batch", "heuristic", "confidence", "entropy", "goodput", "learned", "oracle"}
     assert [policies[f"static_k{k}"].k for k in (1, 2, 3, 4, 6, 8)] == [1, 2, 3, 4, 6, 8]
     assert policies["ar"].max_depth == 0
+
+
+@pytest.mark.parametrize("override, setting", [("eval.batch_sizes=[0]", "eval.batch_sizes"),
+                                               ("eval.batch_sizes=[1,2.5]", "eval.batch_sizes"),
+                                               ("eval.batch_sizes=[]", "eval.batch_sizes"),
+                                               ("eval.num_prompts=0", "eval.num_prompts")])
+def test_evaluate_names_a_batch_size_or_prompt_count_that_cannot_decode(override: str, setting: str,
+                                                                        tmp_path: Path) -> None:
+    cfg = compose_config("evaluate", ["experiment=tiny", override], tmp_path)
+    with pytest.raises(SpecPolicyError, match=f"^{setting} must be"):
+        evaluate(cfg)  # before any model loads: nothing has been trained under tmp_path
 
 
 def test_a_cpu_profile_belongs_to_its_instruction_set(tmp_path: Path, monkeypatch) -> None:
