@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from specpolicy import stages
 from specpolicy.data import encode_prompts
 from specpolicy.distill.stage import distil
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_counts
 from specpolicy.cost.profile import device_name
 from specpolicy.decode import Engine
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
@@ -40,11 +40,15 @@ STAGES: dict[str, Callable[[DictConfig], None]] = {
     "prepare": prepare, "distil": distil, "profile": stages.profile, "collect": stages.collect, "head": stages.head,
 }
 
+CHECKS: dict[str, Callable[[DictConfig], object]] = {"profile": stages.profile_grid, "collect": stages.check_collect}
+
 
 def train(cfg: DictConfig) -> None:
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise SpecPolicyError(f"unknown stage(s) {unknown} in stages=; choose from {list(STAGES)}")
+    for stage in cfg.stages:  # a setting that would fail a later stage fails now, not after a distillation
+        CHECKS.get(stage, lambda _: None)(cfg)
     torch.manual_seed(cfg.seed)
     for stage in cfg.stages:
         log.info("stage %s", stage)
@@ -86,9 +90,7 @@ def evaluate(cfg: DictConfig) -> None:
 def check_eval_settings(settings: DictConfig) -> None:
     """Refuse batch sizes and prompt counts that cannot decode before any model loads (`eval.batch_sizes=[0]`
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
-    sizes = list(settings.batch_sizes)
-    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes):
-        raise SpecPolicyError(f"eval.batch_sizes must be a non-empty list of integers >= 1, got {sizes}")
+    check_counts("eval.batch_sizes", settings.batch_sizes)
     n = settings.num_prompts
     if n is not None and not (isinstance(n, int) and n >= 1):
         raise SpecPolicyError(f"eval.num_prompts must be an integer >= 1 (or null for the whole split), got {n}")

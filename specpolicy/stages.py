@@ -21,6 +21,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
+from specpolicy.errors import SpecPolicyError, check_counts
 from specpolicy.models import LoadedModel, check_compatible
 from specpolicy.policy import StaticPolicy
 from specpolicy.policy.head import HeadConfig
@@ -53,9 +54,10 @@ def profile(cfg: DictConfig) -> None:
     if out.exists():
         log.info("profile: %s exists, skipping", out)
         return
-    target, draft = load_pair(cfg, cfg.trained_draft)
     p = cfg.profile
-    latency = measure(target.model, draft.model, list(p.rows), list(p.tokens), p.context, p.repeats, cfg.runtime.dtype)
+    rows, tokens = profile_grid(cfg)
+    target, draft = load_pair(cfg, cfg.trained_draft)
+    latency = measure(target.model, draft.model, rows, tokens, p.context, p.repeats, cfg.runtime.dtype)
     if p.overhead_steps:
         latency.draft_step_overhead_ms = drafting_overhead(target.model, draft.model, latency, p.overhead_steps,
                                                            p.overhead_rounds)
@@ -63,6 +65,18 @@ def profile(cfg: DictConfig) -> None:
                  [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
     latency.save(out)
     log.info("profile: saved %s", out)
+
+
+def profile_grid(cfg: DictConfig) -> tuple[list[int], list[int]]:
+    """`profile.rows` and `profile.tokens`, checked: the cost model interpolates on them, so they must rise."""
+    rows = check_counts("profile.rows", cfg.profile.rows, increasing=True)
+    return rows, check_counts("profile.tokens", cfg.profile.tokens, increasing=True)
+
+
+def check_collect(cfg: DictConfig) -> None:
+    check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
+    if not (isinstance(cfg.collect.k, int) and cfg.collect.k >= 1):
+        raise SpecPolicyError(f"collect.k (the depth rollouts draft to) must be an integer >= 1, got {cfg.collect.k}")
 
 
 def collect(cfg: DictConfig) -> None:
@@ -76,8 +90,9 @@ def collect(cfg: DictConfig) -> None:
     if (out / "dataset_info.json").exists():
         log.info("collect: %s exists, skipping", out)
         return
-    target, draft = load_pair(cfg, cfg.trained_draft)
+    check_collect(cfg)
     c = cfg.collect
+    target, draft = load_pair(cfg, cfg.trained_draft)
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
     conversations = _unseen_by_draft(cfg, instantiate(cfg.data, split="train").load())
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import synthetic
 from compose import CONF, compose_config
 from specpolicy.cost.profile import profile_file
 from specpolicy.errors import SpecPolicyError
-from specpolicy.pipeline import evaluate
+from specpolicy.pipeline import evaluate, train
 
 # options with mandatory values (???) get one here; the gpu trainer is only built where there is a GPU
 REQUIRED = {("target", "pretrained"): ["target.path=org/model"], ("draft", "pretrained"): ["draft.source.path=org/m"]}
@@ -83,6 +84,18 @@ def test_evaluate_names_a_batch_size_or_prompt_count_that_cannot_decode(override
     cfg = compose_config("evaluate", ["experiment=tiny", override], tmp_path)
     with pytest.raises(SpecPolicyError, match=f"^{setting} must be"):
         evaluate(cfg)  # before any model loads: nothing has been trained under tmp_path
+
+
+@pytest.mark.parametrize("override, message", [("profile.rows=[0,1]", "profile.rows must be"),
+                                               ("profile.tokens=[4,2]", "in increasing order, got [4, 2]"),
+                                               ("collect.batch_sizes=[1,0]", "collect.batch_sizes must be"),
+                                               ("collect.k=0", "collect.k")])
+def test_train_names_a_later_stages_bad_setting_before_distilling(override: str, message: str,
+                                                                  tmp_path: Path) -> None:
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", override], tmp_path)
+    with pytest.raises(SpecPolicyError, match=re.escape(message)):
+        train(cfg)
+    assert not (tmp_path / "tiny").exists()  # nothing distilled, nothing half-written
 
 
 def test_a_cpu_profile_belongs_to_its_instruction_set(tmp_path: Path, monkeypatch) -> None:
