@@ -227,6 +227,9 @@ def test_head_round_trip(tmp_path: Path) -> None:
     assert torch.equal(head(x), again(x))
     with pytest.raises(Exception, match="no trained depth head"):
         DepthHead.load(tmp_path / "missing")
+    with pytest.raises(SpecPolicyError, match="head.hidden must be >= 1"):
+        HeadConfig(hidden=0)
+    assert DepthHead(HeadConfig(layers=0))(x).shape == (5,)  # no hidden layer: a logistic regression
 
 
 def test_recording_policy_labels_conditional_acceptance(tiny_model) -> None:

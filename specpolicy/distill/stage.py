@@ -115,7 +115,7 @@ def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamod
     """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones most frequent in
     the target's training responses (FR-Spec); returns (their ids, the full head to restore), else Nones."""
     size = d.get("draft_vocab")
-    if not size:
+    if size is None:
         return None, None
     vocab_size = target.model.config.vocab_size
     if not 0 < size <= vocab_size:

@@ -26,6 +26,11 @@ class HeadConfig:
     features: tuple[str, ...] = FEATURE_NAMES
     prior: float = 0.5  # acceptance rate of a first draft token in the training rollouts
 
+    def __post_init__(self) -> None:
+        if self.layers < 0 or (self.layers and self.hidden < 1):  # hidden=0 would train a constant
+            raise SpecPolicyError(f"head.hidden must be >= 1 and head.layers >= 0 (0: a logistic regression), "
+                                  f"got hidden={self.hidden}, layers={self.layers}")
+
 
 class DepthHead(nn.Module):
     def __init__(self, config: HeadConfig):
