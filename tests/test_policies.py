@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import lightning as L
@@ -13,7 +14,8 @@ import synthetic
 from specpolicy.cost.model import CostModel
 from specpolicy.decode import Engine
 from specpolicy.errors import SpecPolicyError
-from specpolicy.policy import StaticPolicy, StepState
+from specpolicy.policy import ConfidencePolicy, EntropyPolicy, StaticPolicy, StepState
+from specpolicy.policy.baselines import ThresholdPolicy
 from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator, batch_tokens, expected_max_normal
 from specpolicy.policy.head import DepthHead, HeadConfig
 from specpolicy.policy.lightning import HeadModule, RolloutDataModule
@@ -217,6 +219,19 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
     # a draft forward whose token `keep` always refuses is evidence too: such rows stop paying for it
     refused = run(target, prior=0.3, estimator=lambda f: torch.zeros_like(f[:, 0]))
     assert refused.drafted == 0 and 0 < refused.draft_forwards <= n // 4, refused.draft_forwards  # was: every step
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ConfidencePolicy(k=4, threshold=2.0), "top1 is a probability"),
+    (lambda: ThresholdPolicy(k=4, threshold=-0.1, feature="margin"), "margin is a probability"),
+    (lambda: GoodputPolicy(synthetic.profile(), memory=1.5), "0 < memory <= 1"),
+    (lambda: GoodputPolicy(synthetic.profile(), strength=0), "strength > 0"),
+    (lambda: GoodputPolicy(synthetic.profile(), prior=1.2), "prior in"),
+])
+def test_policies_refuse_settings_outside_their_range(make, message: str) -> None:
+    with pytest.raises(SpecPolicyError, match=re.escape(message)):
+        make()
+    EntropyPolicy(k=4, threshold=2.0)  # entropy is in nats: above 1 is a real threshold
 
 
 def test_head_round_trip(tmp_path: Path) -> None:

@@ -11,6 +11,9 @@ from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN
 
 
+PROBABILITIES = ("top1", "margin", "cum_top1")
+
+
 def _check_depth(name: str, k: int) -> int:
     if k < 0:
         raise SpecPolicyError(f"{name} depth must be >= 0, got {k}")
@@ -82,6 +85,9 @@ class ThresholdPolicy(DepthPolicy):
         self.max_depth = _check_depth(type(self).__name__, self.k)
         if self.feature not in COLUMN:
             raise SpecPolicyError(f"unknown feature {self.feature!r}; choose from {list(COLUMN)}")
+        if self.feature in PROBABILITIES and not 0 <= self.threshold <= 1:  # outside, every row stops or none does
+            raise SpecPolicyError(f"{type(self).__name__}: {self.feature} is a probability, so its threshold must be "
+                                  f"in [0, 1], got {self.threshold}")
 
     def budget(self, state: StepState) -> torch.Tensor:
         return torch.full_like(state.generated, self.k)

@@ -54,6 +54,7 @@ import torch
 
 from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile, profile_file
+from specpolicy.errors import SpecPolicyError
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.policy.head import DepthHead
 from specpolicy.rollout.features import COLUMN
@@ -118,6 +119,9 @@ class GoodputPolicy(DepthPolicy):
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
                  dtype: str = "float32", skinny_gemm: bool = False, prior: float | None = None, strength: float = 4.0,
                  memory: float = 0.95, optimism: float = 1.0, wait_for_slowest: bool = True):
+        if not (strength > 0 and 0 < memory <= 1 and optimism >= 0 and (prior is None or 0 <= prior <= 1)):
+            raise SpecPolicyError(f"goodput/learned need strength > 0, 0 < memory <= 1, optimism >= 0 and a prior in "
+                                  f"[0, 1] (or null); got {strength}, {memory}, {optimism}, {prior}")
         if not isinstance(profile, LatencyProfile):
             profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm))
         self.cost = CostModel(profile)
