@@ -46,7 +46,9 @@ class LatencyProfile:
     def load(cls, path: str | Path) -> LatencyProfile:
         path = Path(path)
         if not path.is_file():
-            raise SpecPolicyError(f"no latency profile at {path}; run the profile stage first "
+            others = sorted(p.name for p in path.parent.glob("*.json")) if path.parent.is_dir() else []
+            found = f" (this folder holds {others}: other hardware, dtypes or kernel paths)" if others else ""
+            raise SpecPolicyError(f"no latency profile at {path}{found}; run the profile stage on this machine "
                                   f"(python scripts/train.py experiment=... stages=[profile])")
         return cls(**json.loads(path.read_text()))
 
