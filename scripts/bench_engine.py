@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from specpolicy.cli import entry, publish
 from specpolicy.data import encode_prompts
+from specpolicy.errors import check_count, check_counts
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
 from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import ArPolicy, StaticPolicy
@@ -27,6 +28,10 @@ os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
 def bench(cfg: DictConfig) -> None:
+    for setting in ("batch_sizes", "ks"):
+        check_counts(f"bench.{setting}", cfg.bench[setting])
+    for setting in ("repeats", "num_prompts"):
+        check_count(f"bench.{setting}", cfg.bench[setting])
     target, draft = load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     tok, n_new = target.tokenizer, engine.max_new_tokens

@@ -5,11 +5,22 @@ class SpecPolicyError(Exception):
     """A problem with the user's input or configuration; the message names the problem and the fix."""
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_count(setting: str, value) -> int:
+    """`value` (a depth, a number of prompts or rounds) as an integer >= 1, or a SpecPolicyError naming `setting`."""
+    if not _is_count(value):
+        raise SpecPolicyError(f"{setting} must be an integer >= 1, got {value}")
+    return value
+
+
 def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
     """`values` (batch sizes, grid points) as a list of integers >= 1, strictly increasing if `increasing` (a
     grid the cost model interpolates on); otherwise a SpecPolicyError that names `setting`."""
     values = list(values)
-    ok = bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)
+    ok = bool(values) and all(map(_is_count, values))
     if ok and increasing:
         ok = all(a < b for a, b in zip(values, values[1:]))
     if not ok:

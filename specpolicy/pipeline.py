@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from specpolicy import stages
 from specpolicy.data import encode_prompts
 from specpolicy.distill.stage import distil
-from specpolicy.errors import SpecPolicyError, check_counts
+from specpolicy.errors import SpecPolicyError, check_count, check_counts
 from specpolicy.cost.profile import device_name
 from specpolicy.decode import Engine
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
@@ -91,9 +91,8 @@ def check_eval_settings(settings: DictConfig) -> None:
     """Refuse batch sizes and prompt counts that cannot decode before any model loads (`eval.batch_sizes=[0]`
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
     check_counts("eval.batch_sizes", settings.batch_sizes)
-    n = settings.num_prompts
-    if n is not None and not (isinstance(n, int) and n >= 1):
-        raise SpecPolicyError(f"eval.num_prompts must be an integer >= 1 (or null for the whole split), got {n}")
+    if settings.num_prompts is not None:  # null: the whole split
+        check_count("eval.num_prompts", settings.num_prompts)
 
 
 def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,

@@ -21,7 +21,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
-from specpolicy.errors import SpecPolicyError, check_counts
+from specpolicy.errors import check_count, check_counts
 from specpolicy.models import LoadedModel, check_compatible
 from specpolicy.policy import StaticPolicy
 from specpolicy.policy.head import HeadConfig
@@ -75,8 +75,7 @@ def profile_grid(cfg: DictConfig) -> tuple[list[int], list[int]]:
 
 def check_collect(cfg: DictConfig) -> None:
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
-    if not (isinstance(cfg.collect.k, int) and cfg.collect.k >= 1):
-        raise SpecPolicyError(f"collect.k (the depth rollouts draft to) must be an integer >= 1, got {cfg.collect.k}")
+    check_count("collect.k", cfg.collect.k)
 
 
 def collect(cfg: DictConfig) -> None:

@@ -99,6 +99,12 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     assert "report:" in proc.stdout
 
 
+@pytest.mark.parametrize("override, message", [("bench.ks=[0,1]", "bench.ks must be a non-empty list"),
+                                               ("bench.repeats=0", "bench.repeats must be an integer >= 1")])
+def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_path: Path) -> None:
+    assert_clean_error(run("bench_engine.py", "experiment=tiny", "debug=fast", override, tmp_path=tmp_path), message)
+
+
 def test_engine_benchmark_reports_ratios_within_rounds(tmp_path: Path) -> None:
     """scripts/bench_engine.py on tiny models: every ratio comes with its median and its range over rounds."""
     proc = run("bench_engine.py", "experiment=tiny", "debug=fast", "draft=layers", "bench.num_prompts=2",
