@@ -17,11 +17,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpolicy import stages
+from specpolicy.cost.profile import device_name
 from specpolicy.data import encode_prompts
+from specpolicy.decode import Engine
 from specpolicy.distill.stage import distil
 from specpolicy.errors import SpecPolicyError, check_count, check_counts
-from specpolicy.cost.profile import device_name
-from specpolicy.decode import Engine
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise

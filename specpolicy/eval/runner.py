@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from specpolicy.decode import DecodeStats, Engine
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count
 from specpolicy.policy import DepthPolicy, OraclePolicy
 
 
@@ -86,11 +86,11 @@ def side_by_side(
     (outputs are kept from the first). A decoder that always ran first would take the machine's drifts alone
     (`ar`, first in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so
     the order rotates."""
-    if repeats < 1:
-        raise SpecPolicyError(f"eval.repeats must be >= 1, got {repeats}")
-    decoders: dict[str, DepthPolicy | Baseline] = {**policies, **(baselines or {})}
-    if len(decoders) < len(policies) + len(baselines or {}):
-        raise SpecPolicyError(f"a baseline has a policy's name: {sorted(set(policies) & set(baselines or {}))}")
+    check_count("eval.repeats", repeats)
+    baselines = baselines or {}
+    if clash := sorted(set(policies) & set(baselines)):
+        raise SpecPolicyError(f"a baseline has a policy's name: {clash}")
+    decoders: dict[str, DepthPolicy | Baseline] = {**policies, **baselines}
     fresh = lambda: {name: _new_run(name, d, batch_size) for name, d in decoders.items()}  # noqa: E731
     # warm-up, untimed, at every batch size (allocator, kernels, caches): every decoder runs the first batch once
     _decode_batch(engine, prompts[:batch_size], decoders, _order(decoders, 0), fresh())
