@@ -75,26 +75,22 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
     assert policies["ar"].max_depth == 0
 
 
-@pytest.mark.parametrize("override, setting", [("eval.batch_sizes=[0]", "eval.batch_sizes"),
-                                               ("eval.batch_sizes=[1,2.5]", "eval.batch_sizes"),
-                                               ("eval.batch_sizes=[]", "eval.batch_sizes"),
-                                               ("eval.num_prompts=0", "eval.num_prompts")])
-def test_evaluate_names_a_batch_size_or_prompt_count_that_cannot_decode(override: str, setting: str,
-                                                                        tmp_path: Path) -> None:
-    cfg = compose_config("evaluate", ["experiment=tiny", override], tmp_path)
-    with pytest.raises(SpecPolicyError, match=f"^{setting} must be"):
-        evaluate(cfg)  # before any model loads: nothing has been trained under tmp_path
-
-
-@pytest.mark.parametrize("override, message", [("profile.rows=[0,1]", "profile.rows must be"),
-                                               ("profile.tokens=[4,2]", "in increasing order, got [4, 2]"),
-                                               ("collect.batch_sizes=[1,0]", "collect.batch_sizes must be"),
-                                               ("collect.k=0", "collect.k")])
-def test_train_names_a_later_stages_bad_setting_before_distilling(override: str, message: str,
-                                                                  tmp_path: Path) -> None:
-    cfg = compose_config("train", ["experiment=tiny", "debug=fast", override], tmp_path)
-    with pytest.raises(SpecPolicyError, match=re.escape(message)):
-        train(cfg)
+@pytest.mark.parametrize("task, override, message", [
+    ("evaluate", "eval.batch_sizes=[0]", "eval.batch_sizes must be"),
+    ("evaluate", "eval.batch_sizes=[1,2.5]", "eval.batch_sizes must be"),
+    ("evaluate", "eval.batch_sizes=[]", "eval.batch_sizes must be"),
+    ("evaluate", "eval.num_prompts=0", "eval.num_prompts must be"),
+    ("train", "profile.rows=[0,1]", "profile.rows must be"),
+    ("train", "profile.tokens=[4,2]", "profile.tokens must be a non-empty list of integers >= 1 in increasing order, "
+                                      "got [4, 2]"),
+    ("train", "collect.batch_sizes=[1,0]", "collect.batch_sizes must be"),
+    ("train", "collect.k=0", "collect.k must be"),
+])
+def test_a_bad_count_is_named_before_any_work(task: str, override: str, message: str, tmp_path: Path) -> None:
+    """evaluate before any model loads; train before the distil stage, for every selected stage's settings."""
+    cfg = compose_config(task, ["experiment=tiny", "debug=fast", override], tmp_path)
+    with pytest.raises(SpecPolicyError, match="^" + re.escape(message)):
+        {"evaluate": evaluate, "train": train}[task](cfg)
     assert not (tmp_path / "tiny").exists()  # nothing distilled, nothing half-written
 
 
