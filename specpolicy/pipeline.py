@@ -59,9 +59,9 @@ def evaluate(cfg: DictConfig) -> None:
     """Every policy in `eval.policies` at every batch size in `eval.batch_sizes`, side by side on the same
     prompts, plus transformers' own decoding as honesty baselines; writes the report to `eval.out_dir`."""
     check_eval_settings(cfg.eval)
+    conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]  # a bad prompts file fails before loading
     target, draft = stages.load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
-    conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
     policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items() if policy is not None}
     rows, outputs = [], []

@@ -52,7 +52,14 @@ def test_chat_messages_and_template(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "content,message",
-    [(None, "does not exist"), ("", "is empty"), ('{"text": "no prompt"}\n', "neither a non-empty 'prompt'")],
+    [
+        (None, "does not exist"),
+        ("", "is empty"),
+        ('{"text": "no prompt"}\n', "neither a non-empty 'prompt'"),
+        ('{"prompt": "ok"}\n{"prompt": oops}\n', "JSON parse error"),
+        ('{"messages": [{"content": "no role"}]}\n', "'messages' must be a list of"),
+        ('{"messages": "not a list"}\n', "'messages' must be a list of"),
+    ],
 )
 def test_bad_prompt_files_name_the_problem(tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "prompts.jsonl"

@@ -73,13 +73,24 @@ def _load_file(path: Path) -> datasets.Dataset:
         raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a 'prompt' field")
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:
-        raise SpecPolicyError(f"cannot parse prompts file {str(path)!r}: {err}") from err
+    except Exception as err:  # datasets wraps the parser's error: name the innermost one, which says where
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise SpecPolicyError(f"cannot parse prompts file {str(path)!r}: {cause}") from err
 
 
 def _conversation(row: dict[str, Any], index: int, source: str) -> Conversation:
-    if row.get("messages"):
-        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    messages = row.get("messages")
+    if messages:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise SpecPolicyError(
+                f"row {index} of {source}: 'messages' must be a list of {{'role': str, 'content': str}} objects"
+            )
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return [{"role": "user", "content": row["prompt"]}]
     raise SpecPolicyError(f"row {index} of {source} has neither a non-empty 'prompt' string nor a 'messages' list")
