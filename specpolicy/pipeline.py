@@ -40,7 +40,7 @@ STAGES: dict[str, Callable[[DictConfig], None]] = {
     "prepare": prepare, "distil": distil, "profile": stages.profile, "collect": stages.collect, "head": stages.head,
 }
 
-CHECKS: dict[str, Callable[[DictConfig], object]] = {"profile": stages.profile_grid, "collect": stages.check_collect}
+CHECKS: dict[str, Callable[[DictConfig], object]] = {"profile": stages.check_profile, "collect": stages.check_collect}
 
 
 def train(cfg: DictConfig) -> None:

@@ -55,7 +55,7 @@ def profile(cfg: DictConfig) -> None:
         log.info("profile: %s exists, skipping", out)
         return
     p = cfg.profile
-    rows, tokens = profile_grid(cfg)
+    rows, tokens = check_profile(cfg)
     target, draft = load_pair(cfg, cfg.trained_draft)
     latency = measure(target.model, draft.model, rows, tokens, p.context, p.repeats, cfg.runtime.dtype)
     if p.overhead_steps:
@@ -67,10 +67,17 @@ def profile(cfg: DictConfig) -> None:
     log.info("profile: saved %s", out)
 
 
-def profile_grid(cfg: DictConfig) -> tuple[list[int], list[int]]:
-    """`profile.rows` and `profile.tokens`, checked: the cost model interpolates on them, so they must rise."""
-    rows = check_counts("profile.rows", cfg.profile.rows, increasing=True)
-    return rows, check_counts("profile.tokens", cfg.profile.tokens, increasing=True)
+def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
+    """The profile settings, checked before any timing; returns the grid (`profile.rows`, `profile.tokens`),
+    which must rise because the cost model interpolates on it."""
+    p = cfg.profile
+    for setting in ("context", "repeats"):
+        check_count(f"profile.{setting}", p[setting])
+    if p.overhead_steps:  # 0 skips the drafting-overhead runs, and with them their rounds
+        check_count("profile.overhead_steps", p.overhead_steps)
+        check_count("profile.overhead_rounds", p.overhead_rounds)
+    rows = check_counts("profile.rows", p.rows, increasing=True)
+    return rows, check_counts("profile.tokens", p.tokens, increasing=True)
 
 
 def check_collect(cfg: DictConfig) -> None:

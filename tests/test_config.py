@@ -83,6 +83,10 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
     ("train", "profile.rows=[0,1]", "profile.rows must be"),
     ("train", "profile.tokens=[4,2]", "profile.tokens must be a non-empty list of integers >= 1 in increasing order, "
                                       "got [4, 2]"),
+    ("train", "profile.context=0", "profile.context must be"),
+    ("train", "profile.repeats=-1", "profile.repeats must be"),
+    ("train", "profile.overhead_steps=-4", "profile.overhead_steps must be"),
+    ("train", "profile.overhead_rounds=0", "profile.overhead_rounds must be"),
     ("train", "collect.batch_sizes=[1,0]", "collect.batch_sizes must be"),
     ("train", "collect.k=0", "collect.k must be"),
 ])
