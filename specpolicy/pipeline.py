@@ -64,6 +64,11 @@ def evaluate(cfg: DictConfig) -> None:
     engine = instantiate(cfg.engine)(target.model, draft.model)
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
     policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items() if policy is not None}
+    if engine.temperature > 0:  # the oracle knows greedy continuations only: sampling runs everything else
+        greedy = [name for name, policy in policies.items() if policy.greedy_only]
+        if greedy:
+            log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", engine.temperature, greedy)
+        policies = {name: policy for name, policy in policies.items() if name not in greedy}
     rows, outputs = [], []
     for bs in cfg.eval.batch_sizes:
         log.info("evaluate: batch size %d, %d policies, %d prompts", bs, len(policies), len(prompts))

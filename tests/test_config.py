@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -73,6 +74,18 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
                              "disable_by_batch", "heuristic", "confidence", "entropy", "goodput", "learned", "oracle"}
     assert [policies[f"static_k{k}"].k for k in (1, 2, 3, 4, 6, 8)] == [1, 2, 3, 4, 6, 8]
     assert policies["ar"].max_depth == 0
+
+
+def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -> None:
+    """The default policy set includes the oracle, which exists for greedy decoding only: with a temperature
+    the report holds every other policy instead of an error."""
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", "draft=layers", "engine.temperature=0.8",
+                                      "eval.batch_sizes=[2]", "eval.num_prompts=2"], tmp_path)
+    fake_artifacts(tmp_path / "tiny")
+    evaluate(cfg)
+    report = json.loads((tmp_path / "tiny" / "report" / "report.json").read_text())
+    assert report["temperature"] == 0.8
+    assert {run["policy"] for run in report["runs"]} == set(cfg.eval.policies) - {"oracle"}
 
 
 @pytest.mark.parametrize("task, override, message", [
