@@ -44,9 +44,10 @@ def _metrics(shared: Path, run: str) -> dict:
     return json.loads((shared / run / "tiny" / "draft" / "metrics.json").read_text())
 
 
-def test_debug_fast_distils_a_loadable_assistant(shared):
+def test_debug_fast_distils_a_loadable_assistant(shared, recwarn):
     cfg = _cfg(shared, "e2e", "draft.layers=[0,-1]")
     distil(cfg)
+    assert not [w for w in recwarn if "no last checkpoint" in str(w.message)]  # a first run has none to resume
     m = _metrics(shared, "e2e")
     assert m["steps"] == cfg.trainer.max_steps
     assert m["after"]["expected_acceptance"] > m["before"]["expected_acceptance"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -55,7 +56,9 @@ def distil(cfg: DictConfig) -> None:
     trainer = _trainer(cfg)
     before = _held_out(trainer, module, datamodule)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=d.ckpt_path)
+    with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
+        warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=d.ckpt_path)
     train_s = time.perf_counter() - start
     if trainer.interrupted or trainer.global_step < trainer.max_steps:
         raise SpecPolicyError(f"distillation stopped at step {trainer.global_step} of {trainer.max_steps}; "
