@@ -156,7 +156,8 @@ def against_best_static(rows: list[dict]) -> str:
 def lossless_lines(check: dict) -> list[str]:
     """One line per violation, so none hides in a paragraph; callers prefix VIOLATED when there are mismatches."""
     if not check["checked"]:
-        return ["Lossless check skipped: outputs are sampled (temperature > 0) or there is no ar run."]
+        return ["Lossless check skipped: outputs are sampled (temperature > 0: each run draws its own tokens, so "
+                "'same as ar' counts coincidences, not errors) or there is no ar run."]
     if not check["exact"]:
         return ["Reduced precision: a k-token verify pass rounds differently from a 1-token pass, so greedy outputs "
                 "may differ from ar's without a bug; 'same as ar' is each run's share of prompts with ar's output."]
