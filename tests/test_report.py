@@ -103,7 +103,13 @@ def test_repeats_time_every_batch_again_and_keep_one_output_per_prompt(tiny_mode
     runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9, 10, 11]], policies, 2, repeats=3)
     assert list(runs)[0] == "ar"
     assert all(len(run.stats) == 6 and len(run.outputs) == 3 for run in runs.values())
-    assert all(row["first_mismatch"] is None for row in summarise(runs))
+    rows = {row["policy"]: row for row in summarise(runs)}
+    assert all(row["first_mismatch"] is None for row in rows.values())
+    # 2 batches x 3 passes: six side-by-side units, enough for an interval around every speedup but ar's own
+    assert rows["ar"]["speedup_interval"] is None and len(rows["ar"]["units"]) == 6
+    for name in ("static_k1", "oracle"):
+        low, high = rows[name]["speedup_interval"]
+        assert low <= rows[name]["speedup"] <= high
 
 
 def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_model) -> None:
@@ -195,12 +201,18 @@ def test_load_aware_policies_are_compared_with_the_best_static_depth():
     line = report.best(rows, 1)
     assert line.startswith("batch 1: learned (66.0 tok/s, 1.32x vs ar)")
     assert f"learned vs best static (static_k1): 1.10x tok/s, {rows[0]['flops']['padding'] / 4 / wasted:.2f}x" in line
+    rows[0]["units"] = [[64, 64 / 60.0]] * 4  # with the units it was timed in, the comparison gets its interval
+    rows[2]["units"] = [[64, 64 / 66.0]] * 4
+    assert "learned vs best static (static_k1): 1.10x tok/s (95% interval 1.10-1.10x), " in report.best(rows, 1)
 
 
 def test_baselines_without_engine_keys(tmp_path):
-    write_report(tmp_path, meta(), synthetic_runs(), [])
+    runs = synthetic_runs()
+    runs[1]["speedup_interval"] = [1.41, 1.62]
+    write_report(tmp_path, meta(), runs, [])
     md = (tmp_path / "report.md").read_text()
-    assert "| hf_assisted | 70.0 | 1.40x | – | – | – | – | – |" in md
+    assert "| hf_assisted | 70.0 | 1.40x | – | – | – | – | – | – |" in md
+    assert "| static_k2 | 75.0 | 1.50x | 1.41-1.62x |" in md and "95% interval: a paired bootstrap" in md
     assert "- batch 4: confidence (231.9 tok/s, 1.29x vs ar); oracle (upper bound) 1.82x" in md  # not baselines
     assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
 

@@ -20,11 +20,13 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no global state, Agg renders PNGs without a display
 from matplotlib.transforms import blended_transform_factory
 
 from specpolicy.errors import SpecPolicyError
+from specpolicy.eval.interval import MIN_UNITS, ratio_interval
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import WandbLogger
@@ -108,6 +110,7 @@ COLUMNS: list[tuple[str, Callable[[dict], float | str | None], str]] = [
     ("policy", lambda r: r["policy"], "{}"),
     ("tok/s", lambda r: r.get("tokens_per_s"), "{:.1f}"),
     ("speedup", lambda r: r.get("speedup"), "{:.2f}x"),
+    ("95% interval", lambda r: r.get("speedup_interval"), "{0[0]:.2f}-{0[1]:.2f}x"),  # runner.summarise
     ("acceptance", lambda r: r.get("acceptance_rate") if drafts(r) else None, "{:.2f}"),  # undefined without drafts
     ("tau", lambda r: r.get("mean_accepted"), "{:.2f}"),
     ("mean depth", lambda r: r.get("mean_depth"), "{:.2f}"),
@@ -147,7 +150,9 @@ def against_best_static(rows: list[dict]) -> str:
         return ""
     top = max(static, key=lambda r: r["tokens_per_s"])
     wasted = lambda r: r["flops"]["rejected"] + r["flops"]["padding"]  # noqa: E731
-    parts = [f"{r['policy']} vs best static ({top['policy']}): {r['tokens_per_s'] / top['tokens_per_s']:.2f}x tok/s, "
+    interval = lambda r: ratio_interval(r.get("units") or [], top.get("units") or [])  # noqa: E731
+    parts = [f"{r['policy']} vs best static ({top['policy']}): {r['tokens_per_s'] / top['tokens_per_s']:.2f}x tok/s"
+             f"{cell(interval(r), ' (95% interval {0[0]:.2f}-{0[1]:.2f}x)') if interval(r) else ''}, "
              f"{cell(wasted(r) / wasted(top) if wasted(top) else None, '{:.2f}x')} rejected+padding FLOPs"
              for r in rows if r.get("kind") == "GoodputPolicy"]
     return "".join(f"; {p}" for p in parts)
@@ -165,6 +170,12 @@ def lossless_lines(check: dict) -> list[str]:
         return ["Lossless: all greedy outputs equal ar's."]
     return [f"greedy output of {m['policy']} at batch {m['batch_size']} differs from ar's, first at prompt "
             f"{m['first_mismatch']}" for m in check["mismatches"]]
+
+
+def interval_note() -> str:
+    return (f"95% interval: a paired bootstrap over the batches (x passes) every decoder ran in turn; '{DASH}' where "
+            f"a batch size had fewer than {MIN_UNITS} (more prompts or eval.repeats give one). A speedup whose "
+            f"interval holds 1.00x is a tie with ar.")
 
 
 def title(meta: dict) -> str:
@@ -208,9 +219,16 @@ def by_policy(runs: list[dict], keep: Callable[[dict], bool]) -> dict[str, list[
 
 
 def plot_speedup(runs: list[dict]) -> Figure:
-    fig, ax = axes("Speedup over plain decoding (ar) vs batch size", "batch size", "speedup (tok/s / ar tok/s)")
-    for policy, rows in by_policy(runs, lambda r: r.get("speedup") is not None and r["policy"] != "ar").items():
-        ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=policy)
+    fig, ax = axes("Speedup over plain decoding (ar), with 95% intervals", "batch size", "speedup (tok/s / ar tok/s)")
+    ax.set_prop_cycle(color=colormaps["tab20"].colors)  # ~15 decoders: tab10 would give two of them one colour
+    groups = by_policy(runs, lambda r: r.get("speedup") is not None and r["policy"] != "ar")
+    for i, (policy, rows) in enumerate(groups.items()):
+        y = [r["speedup"] for r in rows]
+        low, high = zip(*(r.get("speedup_interval") or (s, s) for r, s in zip(rows, y)))
+        nudge = 2 ** (0.01 * (i - (len(groups) - 1) / 2))  # side by side, so the intervals stay readable
+        ax.errorbar([r["batch_size"] * nudge for r in rows], y, yerr=[[s - lo for s, lo in zip(y, low)],
+                                                                         [hi - s for s, hi in zip(y, high)]],
+                    marker="o", markersize=4, capsize=2, elinewidth=1, label=policy)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (plain decoding)")
     log2_axis(ax, batch_sizes(runs))
     legend(ax)
@@ -292,7 +310,7 @@ def markdown(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path]) 
     lines = [f"# {title(meta)}", ""]
     lines += [f"- **{label}**: {value}" for label, value in meta_items(meta)]
     loud = f"**{VIOLATED}**: " if check["mismatches"] else ""
-    lines += [""] + [f"{loud}{line}  " for line in lossless_lines(check)]
+    lines += [""] + [f"{loud}{line}  " for line in lossless_lines(check)] + ["", interval_note()]
     header = [h for h, _, _ in COLUMNS]
     for b in batch_sizes(runs):
         lines += ["", f"## Batch size {b}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -317,6 +335,7 @@ def html_page(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path])
              f"<style>{CSS}</style></head><body><h1>{e(title(meta))}</h1><ul>"]
     parts += [f"<li><b>{e(label)}</b>: {e(value)}</li>" for label, value in meta_items(meta)]
     parts += ["</ul>"] + [f"<p class='{status}'>{loud}{e(line)}</p>" for line in lossless_lines(check)]
+    parts.append(f"<p>{e(interval_note())}</p>")
     header = "".join(f"<th>{e(h)}</th>" for h, _, _ in COLUMNS)
     for b in batch_sizes(runs):
         body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(runs, b))
@@ -333,7 +352,8 @@ def html_page(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path])
 def log_to_wandb(logger: WandbLogger, runs: list[dict], plots: dict[str, Path]) -> None:
     """Raw numbers (not formatted strings), so runs can be compared and re-plotted in wandb."""
     columns = ["batch_size"] + [h for h, _, _ in COLUMNS]
-    data = [[r["batch_size"]] + [value(r) for _, value, _ in COLUMNS] for r in runs]
+    raw = lambda v, spec: cell(v, spec) if isinstance(v, (list, tuple)) else v  # noqa: E731  (an interval: text)
+    data = [[r["batch_size"]] + [raw(value(r), spec) for _, value, spec in COLUMNS] for r in runs]
     logger.log_table(key="eval/runs", columns=columns, data=data)
     for name, path in plots.items():
         logger.log_image(key=f"eval/{name}", images=[str(path)])

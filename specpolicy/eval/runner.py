@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError, check_count
+from specpolicy.eval.interval import ratio_interval
 from specpolicy.policy import DepthPolicy, OraclePolicy
 
 
@@ -23,23 +24,19 @@ Baseline = Callable[[list[list[int]]], tuple[list[list[int]], float]]
 
 @dataclass
 class BaselineRun:
-    """A baseline's totals: it has no drafts or FLOP buckets, only tokens, seconds and outputs."""
+    """A baseline's timings: it has no drafts or FLOP buckets, only tokens, seconds and outputs."""
     policy: str
     batch_size: int
-    tokens: int = 0
-    wall_s: float = 0.0
+    units: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per batch and pass
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, outputs: list[list[int]], seconds: float, keep_outputs: bool) -> None:
-        self.tokens += sum(map(len, outputs))
-        self.wall_s += seconds
+        self.units.append((sum(map(len, outputs)), seconds))
         if keep_outputs:
             self.outputs.extend(outputs)
 
     def summary(self, ar_tokens_per_s: float | None) -> dict:
-        tps = self.tokens / self.wall_s if self.wall_s else 0.0
-        return {"policy": self.policy, "batch_size": self.batch_size, "tokens": self.tokens, "wall_s": self.wall_s,
-                "tokens_per_s": tps, "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None}
+        return _timing(self.policy, self.batch_size, self.units, ar_tokens_per_s)
 
 
 @dataclass
@@ -51,17 +48,17 @@ class PolicyRun:
     stats: list[DecodeStats] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
+    @property
+    def units(self) -> list[tuple[int, float]]:
+        return [(s.tokens, s.wall_s) for s in self.stats]
+
     def summary(self, ar_tokens_per_s: float | None) -> dict:
-        tokens = sum(s.tokens for s in self.stats)
-        wall = sum(s.wall_s for s in self.stats)
         drafted, accepted = sum(s.drafted for s in self.stats), sum(s.accepted for s in self.stats)
         row_steps = sum(s.row_steps for s in self.stats)
         flops = {k: sum(s.flops_dict()[k] for s in self.stats) for k in self.stats[0].flops_dict()}
         summed = lambda name: [sum(x) for x in zip(*(getattr(s, name).tolist() for s in self.stats))]  # noqa: E731
-        tps = tokens / wall if wall else 0.0
         return {
-            "policy": self.policy, "batch_size": self.batch_size, "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tps, "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None,
+            **_timing(self.policy, self.batch_size, self.units, ar_tokens_per_s),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted": (accepted + row_steps) / row_steps, "mean_depth": drafted / row_steps,
             "target_forwards": sum(s.target_forwards for s in self.stats),
@@ -76,6 +73,14 @@ class PolicyRun:
 
 
 Run = PolicyRun | BaselineRun
+
+
+def _timing(policy: str, batch_size: int, units: list[tuple[int, float]], ar_tokens_per_s: float | None) -> dict:
+    """Totals and speedup of any decoder, with its per-unit timings kept for intervals (`eval.interval`)."""
+    tokens, wall = sum(t for t, _ in units), sum(s for _, s in units)
+    tps = tokens / wall if wall else 0.0
+    return {"policy": policy, "batch_size": batch_size, "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
+            "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None, "units": [list(u) for u in units]}
 
 
 def side_by_side(
@@ -139,12 +144,14 @@ def _decode_batch(engine: Engine, batch: list[list[int]], decoders: dict[str, De
 def summarise(runs: dict[str, Run]) -> list[dict]:
     """One row per decoder. Greedy fp32 decoding must be lossless, so an engine policy's `first_mismatch` with
     `ar` is a bug, reported loudly; a baseline's outputs (other kernels, padded batches) get only `ar_match`,
-    the share of prompts with `ar`'s output, which is also what bf16 reports (a k-token pass rounds differently)."""
+    the share of prompts with `ar`'s output, which is also what bf16 reports (a k-token pass rounds differently).
+    Each speedup comes with its 95% paired-bootstrap interval over the (batch, pass) units (`eval.interval`)."""
     ar = runs.get("ar")
     ar_tps = ar.summary(None)["tokens_per_s"] if ar else None
     rows = []
     for run in runs.values():
         row = run.summary(ar_tps)
+        row["speedup_interval"] = ratio_interval(run.units, ar.units) if ar and run is not ar else None
         same = [a == b for a, b in zip(ar.outputs, run.outputs)] if ar else []
         if isinstance(run, PolicyRun):
             row["first_mismatch"] = same.index(False) if False in same else None
