@@ -25,7 +25,7 @@ def _timed(fn, device: torch.device) -> tuple[list[list[int]], float]:
 @torch.inference_mode()
 def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
                 eos_id: int | list[int] | None) -> tuple[list[list[int]], float]:
-    """Greedy `model.generate` on one left-padded batch; returns generated ids per prompt (cut after EOS) and seconds."""
+    """Greedy `model.generate` on one left-padded batch: generated ids per prompt (cut after EOS) and seconds."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)

@@ -139,7 +139,8 @@ def best(runs: list[dict], batch_size: int) -> str:
     top = max(candidates, key=lambda r: r["tokens_per_s"])
     speedup = lambda r: cell(r.get("speedup"), "{:.2f}x")  # noqa: E731
     bounds = "".join(f"; {r['policy']} (upper bound) {speedup(r)}" for r in rows if r.get("upper_bound"))
-    line = f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar){bounds}"
+    sure = f", {interval_text(top.get('speedup_interval'))}" if top.get("speedup_interval") else ""
+    line = f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar{sure}){bounds}"
     return line + against_best_static(rows)
 
 
@@ -152,7 +153,7 @@ def against_best_static(rows: list[dict]) -> str:
     wasted = lambda r: r["flops"]["rejected"] + r["flops"]["padding"]  # noqa: E731
     interval = lambda r: ratio_interval(r.get("units") or [], top.get("units") or [])  # noqa: E731
     parts = [f"{r['policy']} vs best static ({top['policy']}): {r['tokens_per_s'] / top['tokens_per_s']:.2f}x tok/s"
-             f"{cell(interval(r), ' (95% interval {0[0]:.2f}-{0[1]:.2f}x)') if interval(r) else ''}, "
+             f"{f' ({interval_text(interval(r))})' if interval(r) else ''}, "
              f"{cell(wasted(r) / wasted(top) if wasted(top) else None, '{:.2f}x')} rejected+padding FLOPs"
              for r in rows if r.get("kind") == "GoodputPolicy"]
     return "".join(f"; {p}" for p in parts)
@@ -170,6 +171,10 @@ def lossless_lines(check: dict) -> list[str]:
         return ["Lossless: all greedy outputs equal ar's."]
     return [f"greedy output of {m['policy']} at batch {m['batch_size']} differs from ar's, first at prompt "
             f"{m['first_mismatch']}" for m in check["mismatches"]]
+
+
+def interval_text(interval: list[float] | tuple[float, float] | None) -> str:
+    return cell(interval, "95% interval {0[0]:.2f}-{0[1]:.2f}x")
 
 
 def interval_note() -> str:
