@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from specpolicy.atomic import atomic_path
@@ -24,9 +26,24 @@ def entry(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return task(cfg)
-    except SpecPolicyError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (SpecPolicyError, InstantiationException) as err:
+        problem = bad_input(err)
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def bad_input(err: BaseException) -> str | None:
+    """The SpecPolicyError behind `err`, prefixed with the config key when it came from an object Hydra built
+    (`eval.policies.static_k1.k=-1` ends in an InstantiationException whose cause is ours); None otherwise."""
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, SpecPolicyError):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    key = re.search(r"full_key: (\S+)", str(err)) if cause is not err else None
+    return f"{key.group(1)}: {cause}" if key else str(cause)
 
 
 def publish(report: dict, out: str | Path) -> None:

@@ -93,11 +93,14 @@ def evaluate(cfg: DictConfig) -> None:
 
 
 def check_eval_settings(settings: DictConfig) -> None:
-    """Refuse batch sizes and prompt counts that cannot decode before any model loads (`eval.batch_sizes=[0]`
+    """Refuse batch sizes, prompt counts and repeats that cannot decode before any model loads (`eval.batch_sizes=[0]`
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
     check_counts("eval.batch_sizes", settings.batch_sizes)
+    check_count("eval.repeats", settings.repeats)
     if settings.num_prompts is not None:  # null: the whole split
         check_count("eval.num_prompts", settings.num_prompts)
+    if settings.hf_baselines:  # 0 draft tokens would time assisted generation drafting nothing
+        check_count("eval.hf_assisted_k", settings.hf_assisted_k)
 
 
 def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,

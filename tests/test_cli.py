@@ -37,6 +37,10 @@ def assert_clean_error(proc: subprocess.CompletedProcess, message: str) -> None:
         (["runtime.dtype=float33"], "unknown dtype 'float33'"),
         (["data.prompts_file=/tmp/no_prompts_here.jsonl"], "does not exist; fix data.prompts_file"),
         (["draft=layers", "draft.layers=[0,9]"], "indexes outside the target's 6 layers"),
+        # an object Hydra builds refuses its setting: our message with the config key, not Hydra's wrapper
+        (["eval.policies.static_k1.k=-1"], "error: eval.policies.static_k1: static depth must be >= 0, got -1"),
+        (["eval.hf_baselines=true", "eval.hf_assisted_k=0"], "eval.hf_assisted_k must be an integer >= 1, got 0"),
+        ([], "error: eval.policies.goodput: no latency profile at"),  # models load, the profile stage never ran
     ],
 )
 def test_bad_input_is_one_line(overrides: list[str], message: str, tmp_path: Path) -> None:
