@@ -78,7 +78,8 @@ def _row(m: dict) -> dict:
 def _markdown(rows: list[dict]) -> str:
     head = ("| draft | head vocab | loss | agreement before → after | expected acceptance before → after | c (FLOPs) "
             "| c (latency) | steps | train time |\n|---|---|---|---|---|---|---|---|---|")
-    lines = [f"| {r['draft']} | {r['draft_vocab']} | {r['loss']} | {r['agreement_before']:.3f} → {r['agreement_after']:.3f} "
+    lines = [f"| {r['draft']} | {r['draft_vocab']} | {r['loss']} "
+             f"| {r['agreement_before']:.3f} → {r['agreement_after']:.3f} "
              f"| {r['acceptance_before']:.3f} → {r['acceptance_after']:.3f} | {r['c_flops']:.3f} "
              f"| {r['c_latency']:.3f} | {r['steps']} | {r['train_s'] / 60:.1f} min |" for r in rows]
     return "\n".join([head, *lines])

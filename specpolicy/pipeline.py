@@ -67,7 +67,8 @@ def evaluate(cfg: DictConfig) -> None:
     if engine.temperature > 0:  # the oracle knows greedy continuations only: sampling runs everything else
         greedy = [name for name, policy in policies.items() if policy.greedy_only]
         if greedy:
-            log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", engine.temperature, greedy)
+            log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", engine.temperature,
+                        greedy)
         policies = {name: policy for name, policy in policies.items() if name not in greedy}
     rows, outputs = [], []
     for bs in cfg.eval.batch_sizes:

@@ -53,7 +53,8 @@ def test_experiments_compose_and_resolve(name: str, experiment: str, tmp_path: P
     "group,option", [(g, o) for g in OBJECT_GROUPS for o in options(g)] + [("debug", "fast")]
 )
 def test_every_group_option_instantiates(group: str, option: str, tmp_path: Path) -> None:
-    cfg = compose_config("train", [f"{group}={option}", "experiment=tiny", *REQUIRED.get((group, option), [])], tmp_path)
+    overrides = [f"{group}={option}", "experiment=tiny", *REQUIRED.get((group, option), [])]
+    cfg = compose_config("train", overrides, tmp_path)
     fake_artifacts(tmp_path / "tiny")
     node = cfg.get(group)
     if group == "debug" or not node:  # debug edits other groups; logger=none / empty groups are "nothing"

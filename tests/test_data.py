@@ -47,7 +47,8 @@ def test_chat_messages_and_template(tmp_path: Path) -> None:
     assert conversations == [messages]
     tok = byte_tokenizer()
     [ids] = encode_prompts(tok, conversations, context_length=512)
-    assert tok.decode(ids) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                               "<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize(

@@ -160,10 +160,12 @@ def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(share
             for t in texts]
     assert len(data.sets["train"]) == len(groups["train"]) + len(texts)
     assert data.sets["validation"]["input_ids"] == groups["validation"]["input_ids"]  # held-out sets untouched
-    assert [tok.decode(ids[:n]).count("twice") for ids, n in zip(groups["test"]["input_ids"], groups["test"]["prompt_len"])] \
+    test = groups["test"]
+    assert [tok.decode(ids[:n]).count("twice") for ids, n in zip(test["input_ids"], test["prompt_len"])] \
         == [1] * 4  # the test split's prompts, and only those
 
-    clash = _cfg(shared, "synthetic", "+distill.synthetic.validation._target_=specpolicy.distill.synthetic.PromptSynthesis")
+    synthesis = "specpolicy.distill.synthetic.PromptSynthesis"
+    clash = _cfg(shared, "synthetic", f"+distill.synthetic.validation._target_={synthesis}")
     with pytest.raises(SpecPolicyError, match="clashes with the 'validation' prompts"):
         _datamodule(clash, target, instantiate(clash.draft).build(target))
 

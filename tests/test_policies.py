@@ -55,7 +55,8 @@ def test_a_long_catch_up_costs_what_as_many_tokens_in_flight_cost() -> None:
     assert cost.catch_up_ms(4, 1) == 0.0
     assert cost.catch_up_ms(4, 5) == pytest.approx(cost.forward_ms("draft", 4, 5) - cost.forward_ms("draft", 4, 1))
     assert cost.catch_up_ms(1, 18) == pytest.approx(cost.forward_ms("draft", 2, 9) - cost.forward_ms("draft", 1, 1))
-    assert cost.catch_up_ms(64, 18) == pytest.approx(2 * cost.forward_ms("draft", 64, 9) - cost.forward_ms("draft", 64, 1))
+    two_chunks = 2 * cost.forward_ms("draft", 64, 9)
+    assert cost.catch_up_ms(64, 18) == pytest.approx(two_chunks - cost.forward_ms("draft", 64, 1))
 
 
 def test_drafting_starts_only_where_the_rest_of_the_row_repays_reading_the_prompt() -> None:

@@ -50,7 +50,8 @@ def drafting_overhead(target: PreTrainedModel, draft: PreTrainedModel, profile: 
     timed steps per run, after `WARM_STEPS`, `rounds` runs of each policy, on random prompts of
     `profile.context` tokens."""
     if rounds < 1:
-        raise SpecPolicyError(f"profile.overhead_rounds must be >= 1 (or profile.overhead_steps=0 to skip), got {rounds}")
+        raise SpecPolicyError(f"profile.overhead_rounds must be >= 1 (or profile.overhead_steps=0 to skip), "
+                              f"got {rounds}")
     cost = CostModel(profile)
     engine = Engine(target, draft, max_new_tokens=steps + WARM_STEPS, eos_token_id=[])  # no row ends early
     generator = torch.Generator().manual_seed(seed)

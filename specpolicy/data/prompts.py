@@ -70,7 +70,8 @@ def _load_file(path: Path) -> datasets.Dataset:
     if builder is None:
         raise SpecPolicyError(f"prompts file {path.name!r} has an unknown format; use one of {sorted(FILE_BUILDERS)}")
     if path.stat().st_size == 0:
-        raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a 'prompt' field")
+        raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a 'prompt' "
+                              f"field")
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # datasets wraps the parser's error: name the innermost one, which says where

@@ -136,7 +136,8 @@ class Engine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise SpecPolicyError("every prompt needs at least one token")
         if policy.max_depth and self.draft is None:
-            raise SpecPolicyError(f"{type(policy).__name__} drafts up to {policy.max_depth} tokens but no draft model is set")
+            raise SpecPolicyError(f"{type(policy).__name__} drafts up to {policy.max_depth} tokens but no draft model "
+                                  f"is set")
         if policy.greedy_only and self.temperature > 0:
             raise SpecPolicyError(f"{type(policy).__name__} is defined for greedy decoding only; set temperature=0")
         longest = max(map(len, prompts))
@@ -170,8 +171,9 @@ class Engine:
         remaining = self.max_new_tokens - rows.generated
         with stats.deciding():
             budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes
-        if self.fuse and bool((host["t_len"] + 1 < host["length"]).any()):  # the first step: the target has not
-            budget = torch.zeros_like(budget)  # read the prompts, and a fusing draft must not read them without features
+        # the first step: the target has not read the prompts, and a fusing draft must not read them without features
+        if self.fuse and bool((host["t_len"] + 1 < host["length"]).any()):
+            budget = torch.zeros_like(budget)
         depth = int(budget.max())
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
@@ -186,7 +188,8 @@ class Engine:
         with stats.deciding():
             policy.observe(state, n_draft, n_acc)
         new_host = rows.host()
-        stats.later(stats.record_step, n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())  # an accepted EOS draft ends it
+        # drafts past an accepted EOS count as not accepted: the row ended there
+        stats.later(stats.record_step, n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())
         stats.later(self._account, stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
         return self._retire(rows, new_host, finished, caches, outputs)
 
@@ -339,7 +342,8 @@ class Engine:
             return
         d_unseen = length - old["d_len"]
         d_width = int(d_unseen.max())
-        stats.flops += self.d_flops.buckets(old["d_len"], d_width, int(old["d_len"].max()) + d_width, d_unseen, d_unseen)
+        d_end = int(old["d_len"].max()) + d_width
+        stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen)
         for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it
             read = (n_draft >= i).long()
             stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, read * (kept >= i), read)

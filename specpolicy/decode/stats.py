@@ -102,6 +102,7 @@ class DecodeStats:
             "steps": self.steps, "policy_s": self.policy_s,
             "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
             "mean_depth": self.mean_depth, "drafted_at": self.drafted_at.tolist(),
-            "accepted_at": self.accepted_at.tolist(), "reached_at": self.reached_at.tolist(), "flops": self.flops_dict(),
+            "accepted_at": self.accepted_at.tolist(), "reached_at": self.reached_at.tolist(),
+            "flops": self.flops_dict(),
             "depth_at_load": self.depth_at_load.tolist(), "steps_at_load": self.steps_at_load.tolist(),
         }

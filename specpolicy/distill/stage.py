@@ -144,7 +144,8 @@ def _trainable(model, d: DictConfig):
         from peft import get_peft_model
 
         if fuses_features(model):
-            raise SpecPolicyError("LoRA would leave a feature-fusing draft's fusion layer untrained; unset distill.lora")
+            raise SpecPolicyError("LoRA would leave a feature-fusing draft's fusion layer untrained; "
+                                  "unset distill.lora")
 
         model = get_peft_model(model, instantiate(d.lora))
     return model

@@ -55,8 +55,9 @@ class PromptSynthesis:
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_tokens < 1 or self.temperature <= 0 or self.opening_words < 0:
             raise SpecPolicyError(f"distill.synthetic needs num_prompts >= 1, max_tokens >= 1, temperature > 0 "
-                                  f"(greedy sampling writes one prompt) and opening_words >= 0; got {self.num_prompts}, "
-                                  f"{self.max_tokens}, {self.temperature}, {self.opening_words}")
+                                  f"(greedy sampling writes one prompt) and opening_words >= 0; "
+                                  f"got {self.num_prompts}, {self.max_tokens}, {self.temperature}, "
+                                  f"{self.opening_words}")
 
     def conversations(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache_dir: str | Path,
                       train: list[Conversation] = ()) -> list[Conversation]:
@@ -101,7 +102,8 @@ class PromptSynthesis:
         texts = [(start + written).strip() for start, written in finished if written.strip()]
         prompts = list(dict.fromkeys(texts))  # distinct, in sampling order
         log.info("synthetic prompts: kept %d of %d samples (%d ran past max_tokens=%d, %d empty or repeated)",
-                 len(prompts), len(outputs), len(outputs) - len(finished), self.max_tokens, len(finished) - len(prompts))
+                 len(prompts), len(outputs), len(outputs) - len(finished), self.max_tokens,
+                 len(finished) - len(prompts))
         if not prompts:
             raise SpecPolicyError(f"none of {len(outputs)} synthetic prompts ended within "
                                   f"distill.synthetic.max_tokens={self.max_tokens}; raise it")

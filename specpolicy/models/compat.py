@@ -9,7 +9,8 @@ from specpolicy.errors import SpecPolicyError
 if TYPE_CHECKING:
     from specpolicy.models.loading import LoadedModel
 
-FIX = "build the draft from the target (draft=layers or draft=fresh) or pick a draft trained with the target's tokenizer"
+FIX = ("build the draft from the target (draft=layers or draft=fresh) or pick a draft trained with the target's "
+       "tokenizer")
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -2,9 +2,10 @@
 
 Every draft source has `build(target) -> LoadedModel`, so `conf/draft/*.yaml` can swap how the draft
 is made without the pipeline knowing: a subset of the target's layers (any indices, sharing its
-embedding, final norm and head; optionally reading the target's features, `models.fusion`), a fresh small model of the target's family (`FreshDraft`), or a
-pretrained model (hub id, HF folder, GGUF; e.g. a distilled draft). `describe_cost` prints what a draft
-token costs relative to a target token, analytically and measured, when a draft is built.
+embedding, final norm and head; optionally reading the target's features, `models.fusion`), a fresh small
+model of the target's family (`FreshDraft`), or a pretrained model (hub id, HF folder, GGUF; e.g. a distilled
+draft). `describe_cost` prints what a draft token costs relative to a target token, analytically and measured,
+when a draft is built.
 """
 
 from __future__ import annotations

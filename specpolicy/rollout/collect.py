@@ -47,7 +47,8 @@ class RecordingPolicy(DepthPolicy):
         label = (position <= accepted[:, None]).float()
         load = torch.full_like(label, float(self._batch_size))
         group = torch.full_like(label, float(self.group))
-        self.records.append(torch.cat([features, label[..., None], load[..., None], group[..., None]], -1)[reached].cpu())
+        record = torch.cat([features, label[..., None], load[..., None], group[..., None]], -1)
+        self.records.append(record[reached].cpu())
 
 
 COLUMNS = (*FEATURE_NAMES, "accepted", "batch_size", "group")
