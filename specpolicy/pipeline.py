@@ -20,7 +20,7 @@ from specpolicy import stages
 from specpolicy.cost.profile import device_name
 from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
-from specpolicy.distill.stage import distil
+from specpolicy.distill.stage import check_distil, distil
 from specpolicy.errors import SpecPolicyError, check_count, check_counts
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
@@ -40,7 +40,8 @@ STAGES: dict[str, Callable[[DictConfig], None]] = {
     "prepare": prepare, "distil": distil, "profile": stages.profile, "collect": stages.collect, "head": stages.head,
 }
 
-CHECKS: dict[str, Callable[[DictConfig], object]] = {"profile": stages.check_profile, "collect": stages.check_collect}
+CHECKS: dict[str, Callable[[DictConfig], object]] = {"distil": check_distil, "profile": stages.check_profile,
+                                                     "collect": stages.check_collect}
 
 
 def train(cfg: DictConfig) -> None:

@@ -60,6 +60,21 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
     assert_clean_error(proc, "is empty")
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["distill.temperature=0"], "distill.temperature must be > 0 (it divides the logits), got 0"),
+        (["distill/loss=jsd", "distill.loss.beta=2"], "distill.loss.beta (jsd) must be in (0, 1), got 2"),
+    ],
+)
+def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path) -> None:
+    """Both used to surface only in the Lightning loop: temperature 0 trained to the end on logits / 0 without a
+    word, beta=2 stopped in a ValueError traceback at the first step."""
+    proc = run("train.py", "experiment=tiny", "debug=fast", *overrides, tmp_path=tmp_path)
+    assert_clean_error(proc, message)
+    assert not (tmp_path / "tiny" / "draft").exists()
+
+
 def test_missing_trained_artifacts_say_which_stage_to_run(tmp_path: Path) -> None:
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert_clean_error(proc, "does not exist")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specpolicy.errors import SpecPolicyError
+
 
 def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Temperature-scaled log-softmax in float32 (bf16 log-softmax over 49k tokens loses the tail)."""
@@ -47,7 +49,8 @@ def jsd(p_logp: Tensor, q_logp: Tensor, beta: float = 0.5) -> Tensor:
     its gradients approach forward KL as β → 0 and reverse KL as β → 1 (Agarwal et al., 2024).
     """
     if not 0.0 < beta < 1.0:
-        raise ValueError(f"jsd needs 0 < beta < 1, got {beta}; use forward_kl / reverse_kl for the endpoints")
+        raise SpecPolicyError(f"distill.loss.beta (jsd) must be in (0, 1), got {beta}; for the endpoints use "
+                              f"distill/loss=forward_kl or reverse_kl")
     m_logp = torch.logsumexp(torch.stack([q_logp + torch.log(torch.tensor(beta)),
                                           p_logp + torch.log(torch.tensor(1.0 - beta))]), dim=0)  # [N, V]
     return beta * _kl(q_logp, m_logp) + (1.0 - beta) * _kl(p_logp, m_logp)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,6 +31,17 @@ from specpolicy.models.vocab import VOCAB_FILE, frequent_tokens, restore_full_he
 
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
+
+
+def check_distil(cfg: DictConfig) -> None:
+    """Settings that would otherwise fail only inside the training loop, or train on NaNs, checked before
+    anything loads: the loss temperature divides the logits, and the divergence is called once on a
+    two-token distribution, so it refuses its own parameters (jsd's beta) now."""
+    d = cfg.distill
+    if not d.temperature > 0:
+        raise SpecPolicyError(f"distill.temperature must be > 0 (it divides the logits), got {d.temperature}")
+    uniform = torch.full((1, 2), -math.log(2.0))
+    instantiate(d.loss)(uniform, uniform)
 
 
 def distil(cfg: DictConfig) -> None:
