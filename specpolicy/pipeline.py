@@ -41,7 +41,7 @@ STAGES: dict[str, Callable[[DictConfig], None]] = {
 }
 
 CHECKS: dict[str, Callable[[DictConfig], object]] = {"distil": check_distil, "profile": stages.check_profile,
-                                                     "collect": stages.check_collect}
+                                                     "collect": stages.check_collect, "head": stages.check_head}
 
 
 def train(cfg: DictConfig) -> None:

@@ -21,7 +21,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
-from specpolicy.errors import check_count, check_counts
+from specpolicy.errors import SpecPolicyError, check_count, check_counts
 from specpolicy.models import LoadedModel, check_compatible
 from specpolicy.policy import StaticPolicy
 from specpolicy.policy.head import HeadConfig
@@ -83,6 +83,16 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
 def check_collect(cfg: DictConfig) -> None:
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
     check_count("collect.k", cfg.collect.k)
+
+
+def check_head(cfg: DictConfig) -> None:
+    """The head's settings, checked before the stages before it run (a bad lr used to stop the head stage
+    in torch's "Invalid learning rate" traceback, after distillation, profiling and collection)."""
+    h = cfg.head
+    HeadConfig(hidden=h.hidden, layers=h.layers)  # refuses a head that cannot learn
+    check_count("head.batch_size", h.batch_size)
+    if not (h.lr > 0 and 0 < h.val_fraction < 1):
+        raise SpecPolicyError(f"need head.lr > 0 and 0 < head.val_fraction < 1, got {h.lr} and {h.val_fraction}")
 
 
 def collect(cfg: DictConfig) -> None:

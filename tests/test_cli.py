@@ -65,11 +65,14 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
     [
         (["distill.temperature=0"], "distill.temperature must be > 0 (it divides the logits), got 0"),
         (["distill/loss=jsd", "distill.loss.beta=2"], "distill.loss.beta (jsd) must be in (0, 1), got 2"),
+        (["distill.feature_loss=-1"], "distill.feature_loss is a loss weight and must be >= 0, got -1"),
+        (["distill.optimizer.lr=-1"], "distill.optimizer: Invalid learning rate: -1"),
+        (["head.lr=-1"], "need head.lr > 0 and 0 < head.val_fraction < 1, got -1 and 0.2"),
     ],
 )
 def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path) -> None:
-    """Both used to surface only in the Lightning loop: temperature 0 trained to the end on logits / 0 without a
-    word, beta=2 stopped in a ValueError traceback at the first step."""
+    """These used to surface only in the Lightning loops: temperature 0 trained to the end on logits / 0 without
+    a word, a negative feature weight trained too, beta=2 and a negative lr stopped in ValueError tracebacks."""
     proc = run("train.py", "experiment=tiny", "debug=fast", *overrides, tmp_path=tmp_path)
     assert_clean_error(proc, message)
     assert not (tmp_path / "tiny" / "draft").exists()

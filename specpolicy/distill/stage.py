@@ -35,13 +35,20 @@ TARGET_PROBS = ("cached", "online")
 
 def check_distil(cfg: DictConfig) -> None:
     """Settings that would otherwise fail only inside the training loop, or train on NaNs, checked before
-    anything loads: the loss temperature divides the logits, and the divergence is called once on a
-    two-token distribution, so it refuses its own parameters (jsd's beta) now."""
+    anything loads: the loss temperature divides the logits, the divergence is called once on a two-token
+    distribution (so it refuses its own parameters, such as jsd's beta, now) and the optimizer is built
+    once on a dummy parameter."""
     d = cfg.distill
     if not d.temperature > 0:
         raise SpecPolicyError(f"distill.temperature must be > 0 (it divides the logits), got {d.temperature}")
+    if d.feature_loss < 0:
+        raise SpecPolicyError(f"distill.feature_loss is a loss weight and must be >= 0, got {d.feature_loss}")
     uniform = torch.full((1, 2), -math.log(2.0))
     instantiate(d.loss)(uniform, uniform)
+    try:  # torch's optimizers refuse a negative lr, betas outside [0, 1), ... when built
+        instantiate(d.optimizer)([torch.nn.Parameter(torch.zeros(1))])
+    except ValueError as err:
+        raise SpecPolicyError(f"distill.optimizer: {err}; fix its settings (e.g. distill.optimizer.lr=3e-4)") from err
 
 
 def distil(cfg: DictConfig) -> None:
