@@ -37,6 +37,7 @@ BUCKET_COLOURS = {"useful": "tab:green", "rejected": "tab:red", "padding": "tab:
 META = {"date": "date", "hardware": "hardware", "device": "device", "dtype": "dtype", "target": "target",
         "draft": "draft", "temperature": "temperature", "prompts": "num_prompts", "max new tokens": "max_new_tokens"}
 DASH = "–"
+INTERVAL = "{0[0]:.2f}-{0[1]:.2f}x"  # a (low, high) speedup interval
 VIOLATED = "LOSSLESSNESS VIOLATED"
 EXACT_DTYPES = ("float32", "float64")  # where a k-token pass and a 1-token pass round alike enough to compare
 
@@ -110,7 +111,7 @@ COLUMNS: list[tuple[str, Callable[[dict], float | str | None], str]] = [
     ("policy", lambda r: r["policy"], "{}"),
     ("tok/s", lambda r: r.get("tokens_per_s"), "{:.1f}"),
     ("speedup", lambda r: r.get("speedup"), "{:.2f}x"),
-    ("95% interval", lambda r: r.get("speedup_interval"), "{0[0]:.2f}-{0[1]:.2f}x"),  # runner.summarise
+    ("95% interval", lambda r: r.get("speedup_interval"), INTERVAL),  # runner.summarise
     ("acceptance", lambda r: r.get("acceptance_rate") if drafts(r) else None, "{:.2f}"),  # undefined without drafts
     ("tau", lambda r: r.get("mean_accepted"), "{:.2f}"),
     ("mean depth", lambda r: r.get("mean_depth"), "{:.2f}"),
@@ -139,7 +140,7 @@ def best(runs: list[dict], batch_size: int) -> str:
     top = max(candidates, key=lambda r: r["tokens_per_s"])
     speedup = lambda r: cell(r.get("speedup"), "{:.2f}x")  # noqa: E731
     bounds = "".join(f"; {r['policy']} (upper bound) {speedup(r)}" for r in rows if r.get("upper_bound"))
-    sure = f", {interval_text(top.get('speedup_interval'))}" if top.get("speedup_interval") else ""
+    sure = interval_text(top.get("speedup_interval"), ", {}")
     line = f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar{sure}){bounds}"
     return line + against_best_static(rows)
 
@@ -151,9 +152,9 @@ def against_best_static(rows: list[dict]) -> str:
         return ""
     top = max(static, key=lambda r: r["tokens_per_s"])
     wasted = lambda r: r["flops"]["rejected"] + r["flops"]["padding"]  # noqa: E731
-    interval = lambda r: ratio_interval(r.get("units") or [], top.get("units") or [])  # noqa: E731
+    sure = lambda r: interval_text(ratio_interval(r.get("units") or [], top.get("units") or []), " ({})")  # noqa: E731
     parts = [f"{r['policy']} vs best static ({top['policy']}): {r['tokens_per_s'] / top['tokens_per_s']:.2f}x tok/s"
-             f"{f' ({interval_text(interval(r))})' if interval(r) else ''}, "
+             f"{sure(r)}, "
              f"{cell(wasted(r) / wasted(top) if wasted(top) else None, '{:.2f}x')} rejected+padding FLOPs"
              for r in rows if r.get("kind") == "GoodputPolicy"]
     return "".join(f"; {p}" for p in parts)
@@ -173,8 +174,9 @@ def lossless_lines(check: dict) -> list[str]:
             f"{m['first_mismatch']}" for m in check["mismatches"]]
 
 
-def interval_text(interval: list[float] | tuple[float, float] | None) -> str:
-    return cell(interval, "95% interval {0[0]:.2f}-{0[1]:.2f}x")
+def interval_text(interval: list[float] | tuple[float, float] | None, template: str) -> str:
+    """`template` around "95% interval 0.97-1.03x", or nothing where there is no interval."""
+    return template.format(f"95% interval {INTERVAL.format(interval)}") if interval else ""
 
 
 def interval_note() -> str:
