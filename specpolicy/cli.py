@@ -43,7 +43,9 @@ def bad_input(err: BaseException) -> str | None:
     if cause is None:
         return None
     key = re.search(r"full_key: (\S+)", str(err)) if cause is not err else None
-    return f"{key.group(1)}: {cause}" if key else str(cause)
+    if key is None or str(cause).startswith(f"{key.group(1)}."):  # the message names its setting already
+        return str(cause)
+    return f"{key.group(1)}: {cause}"
 
 
 def publish(report: dict, out: str | Path) -> None:

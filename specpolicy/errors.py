@@ -16,6 +16,13 @@ def check_count(setting: str, value) -> int:
     return value
 
 
+def check_depth(policy: str, k) -> int:
+    """A policy's maximum draft depth `k` as an integer >= 0 (0: no speculation), or a SpecPolicyError."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise SpecPolicyError(f"{policy} depth must be an integer >= 0, got {k!r}")
+    return k
+
+
 def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
     """`values` (batch sizes, grid points) as a list of integers >= 1, strictly increasing if `increasing` (a
     grid the cost model interpolates on); otherwise a SpecPolicyError that names `setting`."""

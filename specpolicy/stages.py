@@ -82,7 +82,8 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
 
 def check_collect(cfg: DictConfig) -> None:
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
-    check_count("collect.k", cfg.collect.k)
+    for setting in ("k", "min_prompts_per_size", "max_new_tokens"):
+        check_count(f"collect.{setting}", cfg.collect[setting])
 
 
 def check_head(cfg: DictConfig) -> None:

@@ -38,8 +38,10 @@ def assert_clean_error(proc: subprocess.CompletedProcess, message: str) -> None:
         (["data.prompts_file=/tmp/no_prompts_here.jsonl"], "does not exist; fix data.prompts_file"),
         (["draft=layers", "draft.layers=[0,9]"], "indexes outside the target's 6 layers"),
         # an object Hydra builds refuses its setting: our message with the config key, not Hydra's wrapper
-        (["eval.policies.static_k1.k=-1"], "error: eval.policies.static_k1: static depth must be >= 0, got -1"),
+        (["eval.policies.static_k1.k=-1"],
+         "error: eval.policies.static_k1: static depth must be an integer >= 0, got -1"),
         (["eval.hf_baselines=true", "eval.hf_assisted_k=0"], "eval.hf_assisted_k must be an integer >= 1, got 0"),
+        (["data.limit=0"], "error: data.limit (or null for every prompt) must be an integer >= 1"),  # no "data: data."
         ([], "error: eval.policies.goodput: no latency profile at"),  # models load, the profile stage never ran
     ],
 )
@@ -68,11 +70,13 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
         (["distill.feature_loss=-1"], "distill.feature_loss is a loss weight and must be >= 0, got -1"),
         (["distill.optimizer.lr=-1"], "distill.optimizer: Invalid learning rate: -1"),
         (["head.lr=-1"], "need head.lr > 0 and 0 < head.val_fraction < 1, got -1 and 0.2"),
+        (["collect.min_prompts_per_size=0"], "collect.min_prompts_per_size must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path) -> None:
     """These used to surface only in the Lightning loops: temperature 0 trained to the end on logits / 0 without
-    a word, a negative feature weight trained too, beta=2 and a negative lr stopped in ValueError tracebacks."""
+    a word, a negative feature weight trained too, beta=2 and a negative lr stopped in ValueError tracebacks
+    (and min_prompts_per_size=0 in one from the collect stage's sampler)."""
     proc = run("train.py", "experiment=tiny", "debug=fast", *overrides, tmp_path=tmp_path)
     assert_clean_error(proc, message)
     assert not (tmp_path / "tiny" / "draft").exists()

@@ -70,6 +70,11 @@ def test_bad_prompt_files_name_the_problem(tmp_path: Path, content: str | None, 
         PromptSource(prompts_file=str(path)).load()
 
 
+def test_a_limit_of_no_prompts_is_refused() -> None:
+    with pytest.raises(SpecPolicyError, match=r"data.limit \(or null for every prompt\) must be an integer >= 1"):
+        PromptSource(limit=0)
+
+
 def test_prompt_longer_than_context_is_refused() -> None:
     with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64"):
         encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 100}]], context_length=64)

@@ -7,6 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from specpolicy.errors import SpecPolicyError
 from specpolicy.models import RandomInitSource
 from specpolicy.models.draft import FreshDraft, describe_cost
 
@@ -48,3 +49,13 @@ def test_fresh_draft_copies_or_projects_the_target_embedding():
     assert (d @ d.T).trace() >= 0.5 * (e @ e.T).trace()
     cost = describe_cost(target, draft, context=16, repeats=2)
     assert 0 < cost["flops_ratio"] < 0.5 and cost["draft_ms"] > 0
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ({"num_hidden_layers": 0}, "draft.num_hidden_layers must be an integer >= 1, got 0"),
+    ({"hidden_size": 0}, r"draft.hidden_size \(or null for the target's\) must be an integer >= 1, got 0"),
+])
+def test_fresh_draft_refuses_empty_sizes(sizes, message):
+    """hidden_size=0 used to read as null and build a full-width draft without a word."""
+    with pytest.raises(SpecPolicyError, match=message):
+        FreshDraft(**sizes)

@@ -31,9 +31,15 @@ def test_samples_per_prompt_gives_each_copy_its_own_response(tiny_model, tmp_pat
     assert len(set(responses)) == 9  # every copy and every batch samples from its own random stream
 
 
-def test_greedy_samples_are_refused():
-    with pytest.raises(SpecPolicyError, match="samples_per_prompt=2.*temperature > 0"):
-        DistillData(samples_per_prompt=2, temperature=0.0)
+@pytest.mark.parametrize("settings, message", [
+    ({"samples_per_prompt": 2, "temperature": 0.0}, "samples_per_prompt=2.*temperature > 0"),
+    ({"max_new_tokens": 0}, "distill.data.max_new_tokens must be an integer >= 1, got 0"),
+    ({"train_prompts": 0}, r"distill.data.train_prompts \(or null for the whole split\) must be an integer >= 1"),
+])
+def test_data_settings_are_refused_before_generating(settings: dict, message: str):
+    with pytest.raises(SpecPolicyError, match=message):
+        DistillData(**settings)
+    DistillData(train_prompts=None)  # the whole split
 
 
 def test_prompt_loss_scores_every_position_with_the_targets_top_k(tiny_model, tmp_path, single_thread):

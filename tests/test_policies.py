@@ -15,7 +15,7 @@ from specpolicy.cost.model import CostModel
 from specpolicy.decode import Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import ConfidencePolicy, EntropyPolicy, StaticPolicy, StepState
-from specpolicy.policy.baselines import ThresholdPolicy
+from specpolicy.policy.baselines import DisableByBatchPolicy, HeuristicPolicy, ThresholdPolicy
 from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator, batch_tokens, expected_max_normal
 from specpolicy.policy.head import DepthHead, HeadConfig
 from specpolicy.policy.lightning import HeadModule, RolloutDataModule
@@ -228,6 +228,11 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
     (lambda: GoodputPolicy(synthetic.profile(), memory=1.5), "0 < memory <= 1"),
     (lambda: GoodputPolicy(synthetic.profile(), strength=0), "strength > 0"),
     (lambda: GoodputPolicy(synthetic.profile(), prior=1.2), "prior in"),
+    (lambda: GoodputPolicy(synthetic.profile(), k=-1), "goodput/learned depth must be an integer >= 0, got -1"),
+    (lambda: StaticPolicy(k="abc"), "static depth must be an integer >= 0, got 'abc'"),  # a YAML typo
+    (lambda: EntropyPolicy(k=4, threshold=-1.0), "entropy is never negative, so its threshold must be >= 0"),
+    (lambda: DisableByBatchPolicy(k=4, threshold=0), "threshold (rows in flight) must be an integer >= 1, got 0"),
+    (lambda: HeuristicPolicy(initial=5, min_k=7), "need 0 <= min_k <= initial <= max_k, got min_k=7"),
 ])
 def test_policies_refuse_settings_outside_their_range(make, message: str) -> None:
     with pytest.raises(SpecPolicyError, match=re.escape(message)):

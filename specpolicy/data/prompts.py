@@ -14,7 +14,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count
 
 EMBEDDED = Path(__file__).parent / "prompts" / "default.jsonl"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -33,6 +33,10 @@ class PromptSource:
     hub_dataset: str | None = None
     split: str = "test"
     limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.limit is not None:
+            check_count("data.limit (or null for every prompt)", self.limit)
 
     def load(self) -> list[Conversation]:
         rows = self._rows()

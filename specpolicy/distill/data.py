@@ -36,7 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import additive_mask
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count
 from specpolicy.models.fusion import model_inputs, shift, unwrap
 from specpolicy.models.vocab import scorer
 
@@ -66,6 +66,11 @@ class DistillData:
         if self.samples_per_prompt < 1 or (self.samples_per_prompt > 1 and self.temperature <= 0):
             raise SpecPolicyError(f"distill.data.samples_per_prompt={self.samples_per_prompt} needs to be 1, or more "
                                   f"with distill.data.temperature > 0 (greedy decoding repeats one response)")
+        for setting in ("max_new_tokens", "batch_size"):
+            check_count(f"distill.data.{setting}", getattr(self, setting))
+        for setting in ("train_prompts", "val_prompts"):  # null: the whole split
+            if getattr(self, setting) is not None:
+                check_count(f"distill.data.{setting} (or null for the whole split)", getattr(self, setting))
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
         which = ("train_prompts", "val_prompts", "test_prompts", "batch_size")  # the prompts are hashed themselves

@@ -36,9 +36,13 @@ TARGET_PROBS = ("cached", "online")
 def check_distil(cfg: DictConfig) -> None:
     """Settings that would otherwise fail only inside the training loop, or train on NaNs, checked before
     anything loads: the loss temperature divides the logits, the divergence is called once on a two-token
-    distribution (so it refuses its own parameters, such as jsd's beta, now) and the optimizer is built
-    once on a dummy parameter."""
+    distribution (so it refuses its own parameters, such as jsd's beta, now), the optimizer is built
+    once on a dummy parameter and the data settings once without data."""
     d = cfg.distill
+    if d.target_probs not in TARGET_PROBS:
+        raise SpecPolicyError(f"distill.target_probs={d.target_probs!r}; choose one of {list(TARGET_PROBS)}")
+    if cfg.trainer.get("max_steps", -1) <= 0:
+        raise SpecPolicyError("distillation runs for a number of steps; set trainer.max_steps to a positive number")
     if not d.temperature > 0:
         raise SpecPolicyError(f"distill.temperature must be > 0 (it divides the logits), got {d.temperature}")
     if d.feature_loss < 0:
@@ -49,6 +53,7 @@ def check_distil(cfg: DictConfig) -> None:
         instantiate(d.optimizer)([torch.nn.Parameter(torch.zeros(1))])
     except ValueError as err:
         raise SpecPolicyError(f"distill.optimizer: {err}; fix its settings (e.g. distill.optimizer.lr=3e-4)") from err
+    instantiate(d.data)
 
 
 def distil(cfg: DictConfig) -> None:
@@ -56,11 +61,8 @@ def distil(cfg: DictConfig) -> None:
     if (out / "config.json").exists():
         log.info("distil: %s exists, skipping (delete it to distil again)", out)
         return
+    check_distil(cfg)  # the pipeline checked already; scripts/bench_distill.py calls this stage directly
     d = cfg.distill
-    if d.target_probs not in TARGET_PROBS:
-        raise SpecPolicyError(f"distill.target_probs={d.target_probs!r}; choose one of {list(TARGET_PROBS)}")
-    if cfg.trainer.get("max_steps", -1) <= 0:
-        raise SpecPolicyError("distillation runs for a number of steps; set trainer.max_steps to a positive number")
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
     draft = instantiate(cfg.draft).build(target)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specpolicy.cost.flops import FlopModel
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count
 from specpolicy.models.compat import check_compatible
 from specpolicy.models.fusion import attach_fusion, model_inputs, timing_features
 from specpolicy.models.loading import LoadedModel, PretrainedSource
@@ -126,6 +126,12 @@ class FreshDraft:
     num_key_value_heads: int | None = None
     init_from_target: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_count("draft.num_hidden_layers", self.num_hidden_layers)
+        for size in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+            if getattr(self, size) is not None:  # null keeps the target's
+                check_count(f"draft.{size} (or null for the target's)", getattr(self, size))
 
     def build(self, target: LoadedModel) -> LoadedModel:
         config = self._config(target.model.config)

@@ -6,18 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count, check_depth
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN
 
 
 PROBABILITIES = ("top1", "margin", "cum_top1")
-
-
-def _check_depth(name: str, k: int) -> int:
-    if k < 0:
-        raise SpecPolicyError(f"{name} depth must be >= 0, got {k}")
-    return k
 
 
 class ArPolicy(DepthPolicy):
@@ -31,7 +25,7 @@ class StaticPolicy(DepthPolicy):
     k: int = 4
 
     def __post_init__(self) -> None:
-        self.max_depth = _check_depth("static", self.k)
+        self.max_depth = check_depth("static", self.k)
 
     def budget(self, state: StepState) -> torch.Tensor:
         return torch.full_like(state.generated, self.k)
@@ -42,6 +36,10 @@ class DisableByBatchPolicy(StaticPolicy):
     """Draft k tokens, but none once `threshold` or more rows are in flight (vLLM's disable-by-batch-size)."""
 
     threshold: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_count("disable_by_batch threshold (rows in flight)", self.threshold)
 
     def budget(self, state: StepState) -> torch.Tensor:
         return torch.full_like(state.generated, self.k if state.rows < self.threshold else 0)
@@ -56,7 +54,11 @@ class HeuristicPolicy(DepthPolicy):
     min_k: int = 1
 
     def __post_init__(self) -> None:
-        self.max_depth = _check_depth("heuristic", self.max_k)
+        self.max_depth = check_depth("heuristic", self.max_k)
+        if not (isinstance(self.min_k, int) and isinstance(self.initial, int) and
+                0 <= self.min_k <= self.initial <= self.max_k):
+            raise SpecPolicyError(f"heuristic depths need 0 <= min_k <= initial <= max_k, got min_k={self.min_k!r}, "
+                                  f"initial={self.initial!r}, max_k={self.max_k}")
         self._k = torch.empty(0, dtype=torch.long)
 
     def reset(self, batch_size: int) -> None:
@@ -82,12 +84,18 @@ class ThresholdPolicy(DepthPolicy):
     reads_features = True
 
     def __post_init__(self) -> None:
-        self.max_depth = _check_depth(type(self).__name__, self.k)
+        self.max_depth = check_depth(type(self).__name__, self.k)
         if self.feature not in COLUMN:
             raise SpecPolicyError(f"unknown feature {self.feature!r}; choose from {list(COLUMN)}")
-        if self.feature in PROBABILITIES and not 0 <= self.threshold <= 1:  # outside, every row stops or none does
+        # outside a feature's range every row stops or none does: a typo, not a policy
+        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
+            raise SpecPolicyError(f"{type(self).__name__}: threshold must be a number, got {self.threshold!r}")
+        if self.feature in PROBABILITIES and not 0 <= self.threshold <= 1:
             raise SpecPolicyError(f"{type(self).__name__}: {self.feature} is a probability, so its threshold must be "
                                   f"in [0, 1], got {self.threshold}")
+        if self.threshold < 0:  # entropy, position and load are >= 0 too
+            raise SpecPolicyError(f"{type(self).__name__}: {self.feature} is never negative, so its threshold must be "
+                                  f">= 0, got {self.threshold}")
 
     def budget(self, state: StepState) -> torch.Tensor:
         return torch.full_like(state.generated, self.k)
@@ -123,7 +131,7 @@ class OraclePolicy(DepthPolicy):
     greedy_only = True
 
     def __post_init__(self) -> None:
-        self.max_depth = _check_depth("oracle", self.k)
+        self.max_depth = check_depth("oracle", self.k)
         self._reference: torch.Tensor | None = None
 
     def set_reference(self, outputs: list[list[int]]) -> None:

@@ -54,7 +54,7 @@ import torch
 
 from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile, profile_file
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_depth
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.policy.head import DepthHead
 from specpolicy.rollout.features import COLUMN
@@ -122,10 +122,10 @@ class GoodputPolicy(DepthPolicy):
         if not (strength > 0 and 0 < memory <= 1 and optimism >= 0 and (prior is None or 0 <= prior <= 1)):
             raise SpecPolicyError(f"goodput/learned need strength > 0, 0 < memory <= 1, optimism >= 0 and a prior in "
                                   f"[0, 1] (or null); got {strength}, {memory}, {optimism}, {prior}")
+        self.max_depth = check_depth("goodput/learned", k)
         if not isinstance(profile, LatencyProfile):
             profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm))
         self.cost = CostModel(profile)
-        self.max_depth = k
         self.estimator = estimator or DraftConfidence()
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
         self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
