@@ -81,16 +81,22 @@ def forward(
     the whole vocabulary, or a draft's subset in the subset's own order.
 
     Only the kept positions go through the LM head, so a long prefill does not pay W x vocab logits.
-    The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only.
+    The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only. A single row
+    (whose `kv_len` the engine sets to its start + W) that reads one token, or its first W, gets none: then
+    transformers' own mask is the same (none, or SDPA's causal flag) and faster, by 0.3-1% of a decode step
+    and 2% of a 100-token prefill (SmolLM2-135M, fp32 CPU). With a past and W > 1 its mask is wrong here.
     """
     B, W = tokens.shape
     cache.begin(starts, W, kv_len, rows)
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
-    keys = torch.arange(cache._kv_len, device=tokens.device)
-    visible = keys[None, None, :] <= positions[:, :, None]  # [B, W, T]
+    mask = None
+    if B > 1 or (W > 1 and kv_len > W):
+        keys = torch.arange(cache._kv_len, device=tokens.device)
+        visible = keys[None, None, :] <= positions[:, :, None]  # [B, W, T]
+        mask = additive_mask(visible, model.dtype)[:, None]  # [B, 1, W, T]
     hidden = model.base_model(
         **model_inputs(model, tokens, features),
-        attention_mask=additive_mask(visible, model.dtype)[:, None],  # [B, 1, W, T]
+        attention_mask=mask,
         position_ids=positions.clamp(max=max_position),  # only padding slots are clamped
         cache=cache,
         use_cache=True,
