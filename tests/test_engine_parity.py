@@ -6,6 +6,7 @@ and plain paths (the cache, the masks, positions) is caught too, not only a spec
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ import torch
 import synthetic
 from conftest import DEVICE
 from specpolicy.decode import DecodeResult, Engine
+from specpolicy.decode.cache import sliding_window
+from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import LayerSubsetDraft
 from specpolicy.policy import (
@@ -328,3 +331,30 @@ def test_backlogs_that_barely_differ_are_read_in_one_padded_pass(case: Case, pol
         assert result.outputs == expected, padding
         forwards[padding] = result.stats.target_forwards
     assert forwards[0.0] == forwards[0.3] + 2
+
+
+@pytest.mark.parametrize("family, config", [
+    ("mistral", {"sliding_window": 6}),  # no layer types: every layer slides
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2}),  # layers 2-3 slide
+])
+def test_sliding_window_layers_decode_as_generate(tiny_model, family: str, config: dict) -> None:
+    """Prompts and outputs longer than the window: the engine's own masks must slide as transformers' do
+    (they did not: every row of both families decoded differently from `model.generate`)."""
+    target = tiny_model(family, **config)
+    draft = LayerSubsetDraft(layers=[0, -1]).build(target)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (20, 5, 13)]
+    engine = Engine(target.model, draft.model, max_new_tokens=14, eos_token_id=[], solo_above=SOLO)
+    refs = [target.model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=14, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    for rows in ([0], [0, 1, 2]):
+        for policy in (ArPolicy(), StaticPolicy(k=3)):
+            assert engine.generate([prompts[r] for r in rows], policy).outputs == [refs[r] for r in rows]
+
+
+def test_attention_layers_the_masks_cannot_express_are_refused(tiny_model) -> None:
+    target = tiny_model("qwen2")
+    config = copy.deepcopy(target.model.config)
+    config.layer_types = ["full_attention", "linear_attention"] * 2
+    with pytest.raises(SpecPolicyError, match=r"qwen2 has \['linear_attention'\] attention layers"):
+        sliding_window(config)

@@ -6,7 +6,8 @@ the longest row. Rolling back a row (rejected draft tokens) is just a smaller `s
 stale slots are masked and later overwritten, never copied. Padding slots of short rows land past the
 row's length (masked, overwritten before anyone reads them), or, past the buffer's end, in a trash
 slot that no query ever sees. A forward may also cover one slice of the rows (`rows=`): a long prompt
-is then read alone instead of padding every other row to its length.
+is then read alone instead of padding every other row to its length. Layers with a sliding window keep
+every key too; their mask shows each query only its last `sliding_window` keys.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
+from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import model_inputs
 from specpolicy.models.vocab import scorer
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
 class RaggedCache(Cache):
@@ -71,6 +75,21 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)
 
 
+def sliding_window(config) -> int | None:
+    """How many of its last keys a sliding-window layer sees (all layers when the config has no `layer_types`,
+    as Mistral's; those typed `sliding_attention` otherwise, as Qwen2's or Gemma's), or None when every layer
+    sees its whole prefix. A model with other kinds of layers (chunked, linear attention) is refused."""
+    types = getattr(config, "layer_types", None)
+    unknown = sorted(set(types or ()) - set(ATTENTION_TYPES))
+    if unknown:
+        raise SpecPolicyError(f"{config.model_type} has {unknown} attention layers; the decode engine supports "
+                              f"{list(ATTENTION_TYPES)} only")
+    window = getattr(config, "sliding_window", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
     keep: torch.Tensor, max_position: int, rows: slice = slice(None), features: torch.Tensor | None = None,
@@ -84,16 +103,23 @@ def forward(
     The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only. A single row
     (whose `kv_len` the engine sets to its start + W) that reads one token, or its first W, gets none: then
     transformers' own mask is the same (none, or SDPA's causal flag) and faster, by 0.3-1% of a decode step
-    and 2% of a 100-token prefill (SmolLM2-135M, fp32 CPU). With a past and W > 1 its mask is wrong here.
+    and 2% of a 100-token prefill (SmolLM2-135M, fp32 CPU). With a past and W > 1, or a sliding window,
+    its mask is wrong with this cache (it puts the first query at `kv_len`, the base Cache's query offset),
+    so those get ours.
     """
     B, W = tokens.shape
     cache.begin(starts, W, kv_len, rows)
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
+    window = sliding_window(model.config)
     mask = None
-    if B > 1 or (W > 1 and kv_len > W):
+    if B > 1 or (W > 1 and kv_len > W) or window is not None:
         keys = torch.arange(cache._kv_len, device=tokens.device)
-        visible = keys[None, None, :] <= positions[:, :, None]  # [B, W, T]
-        mask = additive_mask(visible, model.dtype)[:, None]  # [B, 1, W, T]
+        behind = positions[:, :, None] - keys[None, None, :]  # [B, W, T] how far each key lies behind each query
+        mask = additive_mask(behind >= 0, model.dtype)[:, None]  # [B, 1, W, T]
+        if window is not None:  # transformers' rule: a query sees keys fewer than `window` positions behind it
+            local = additive_mask((behind >= 0) & (behind < window), model.dtype)[:, None]
+            by_type = getattr(model.config, "layer_types", None) is not None
+            mask = {"full_attention": mask, "sliding_attention": local} if by_type else local
     hidden = model.base_model(
         **model_inputs(model, tokens, features),
         attention_mask=mask,
