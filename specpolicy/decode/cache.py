@@ -84,8 +84,8 @@ def sliding_window(config) -> int | None:
     if unknown:
         raise SpecPolicyError(f"{config.model_type} has {unknown} attention layers; the decode engine supports "
                               f"{list(ATTENTION_TYPES)} only")
-    window = getattr(config, "sliding_window", None)
-    if window is None or (types is not None and "sliding_attention" not in types):
+    window = getattr(config, "sliding_window", None)  # Qwen2-MoE writes 0 for none
+    if not window or (types is not None and "sliding_attention" not in types):
         return None
     return int(window)
 
