@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from specpolicy.cli import entry
 from specpolicy.distill.stage import distil
+from specpolicy.errors import check_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -47,7 +48,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("WANDB_MODE", "offline")
+    entry(bench, args)  # a bad setting (--steps 0, a bad override) is one line, as in the pipeline's scripts
+
+
+def bench(args: argparse.Namespace) -> None:
+    check_count("--steps", args.steps)
     out = Path(args.out)
     rows = []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -20,8 +20,9 @@ from specpolicy.errors import SpecPolicyError
 log = logging.getLogger("specpolicy")
 
 
-def entry(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
-    """Run a pipeline task; bad input exits with code 2 and one line naming the problem and the fix."""
+def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
+    """Run a pipeline task on its config (a Hydra config, or a script's parsed arguments); bad input exits with
+    code 2 and one line naming the problem and the fix."""
     os.environ.setdefault("WANDB_MODE", "offline")  # no hub here; a user who sets WANDB_MODE goes online
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -131,6 +131,13 @@ def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
     assert_clean_error(run("bench_engine.py", "experiment=tiny", "debug=fast", override, tmp_path=tmp_path), message)
 
 
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+                                           (["distill.temperature=0"], "distill.temperature must be > 0")])
+def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: str, tmp_path: Path) -> None:
+    """It calls the distil stage directly, outside the pipeline's script: its errors were tracebacks."""
+    assert_clean_error(run("bench_distill.py", *args, "--out", str(tmp_path), tmp_path=tmp_path), message)
+
+
 def test_engine_benchmark_reports_ratios_within_rounds(tmp_path: Path) -> None:
     """scripts/bench_engine.py on tiny models: every ratio comes with its median and its range over rounds."""
     proc = run("bench_engine.py", "experiment=tiny", "debug=fast", "draft=layers", "bench.num_prompts=2",
