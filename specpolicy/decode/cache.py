@@ -115,9 +115,10 @@ def forward(
     if B > 1 or (W > 1 and kv_len > W) or window is not None:
         keys = torch.arange(cache._kv_len, device=tokens.device)
         behind = positions[:, :, None] - keys[None, None, :]  # [B, W, T] how far each key lies behind each query
-        mask = additive_mask(behind >= 0, model.dtype)[:, None]  # [B, 1, W, T]
+        seen = behind >= 0  # the query's own prefix
+        mask = additive_mask(seen, model.dtype)[:, None]  # [B, 1, W, T]
         if window is not None:  # transformers' rule: a query sees keys fewer than `window` positions behind it
-            local = additive_mask((behind >= 0) & (behind < window), model.dtype)[:, None]
+            local = additive_mask(seen & (behind < window), model.dtype)[:, None]
             by_type = getattr(model.config, "layer_types", None) is not None
             mask = {"full_attention": mask, "sliding_attention": local} if by_type else local
     hidden = model.base_model(
