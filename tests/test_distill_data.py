@@ -69,12 +69,17 @@ def test_fingerprint_ignores_the_folder_a_model_was_loaded_from(tiny_model, tmp_
     assert fingerprint(a) != fingerprint(b)
 
 
-def test_unrolled_passes_read_what_the_engines_draft_reads(tiny_model, single_thread):
+@pytest.mark.parametrize("family, config", [
+    ("llama", {}),
+    ("mistral", {"sliding_window": 4}),  # windows shorter than the sequence: the masks must slide as the model does
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+])
+def test_unrolled_passes_read_what_the_engines_draft_reads(tiny_model, single_thread, family, config):
     """Pass m at token j must equal the draft run token by token as the engine runs it: the committed
     prefix up to t = j - m + 1 with the target's features, then drafted tokens that read the draft's own
     previous state. An off-by-one in the mask or the features changes the states by O(1), not 1e-5."""
-    target = tiny_model().model
-    draft = LayerSubsetDraft([0, 3], fuse_features=True).build(tiny_model()).model
+    target = tiny_model(family, **config).model
+    draft = LayerSubsetDraft([0, 3], fuse_features=True).build(tiny_model(family, **config)).model
     weight = draft.feature_fusion.proj.weight
     d = weight.shape[0]
     with torch.no_grad():

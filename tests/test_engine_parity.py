@@ -18,7 +18,7 @@ import torch
 import synthetic
 from conftest import DEVICE
 from specpolicy.decode import DecodeResult, Engine
-from specpolicy.decode.cache import sliding_window
+from specpolicy.models.attention import sliding_window
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import LayerSubsetDraft

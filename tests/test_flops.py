@@ -58,9 +58,27 @@ def test_per_token_matches_a_hand_count(tiny_model, model_type: str, tied: bool)
         assert flops.per_token(ctx) == 2 * matmul + 4 * layers * heads * head_dim * ctx
 
 
-def test_prefix_is_a_sum_of_per_token_costs(target) -> None:
-    flops = FlopModel.from_model(target.model)
-    starts, n = torch.tensor([0, 5, 11]), torch.tensor([4, 0, 7])
+SLIDING = {  # windows of 6 keys, shorter than the prompts and outputs below
+    "mistral": {"sliding_window": 6},  # every layer slides
+    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 2},  # layers 2 and 3 slide
+}
+
+
+@pytest.mark.parametrize("family, sliding", [("mistral", 4), ("qwen2", 2)])
+def test_sliding_window_layers_read_at_most_their_window(tiny_model, family: str, sliding: int) -> None:
+    flops = FlopModel.from_model(tiny_model(family, **SLIDING[family]).model)
+    assert (flops.sliding_layers, flops.window) == (sliding, 6)
+    per_key = 4 * flops.d_attn
+    for ctx in (1, 6, 7, 300):
+        attention = per_key * ((4 - sliding) * ctx + sliding * min(ctx, 6))
+        assert flops.per_token(ctx) == 2 * flops.matmul_params + attention
+    assert flops.slot(300) == 2 * flops.matmul_params + per_key * 4 * 300  # the engine scores masked keys too
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_prefix_is_a_sum_of_per_token_costs(tiny_model, family: str) -> None:
+    flops = FlopModel.from_model(tiny_model(family, **SLIDING.get(family, {})).model)
+    starts, n = torch.tensor([0, 5, 11, 2, 0]), torch.tensor([4, 0, 7, 9, 1])  # some cross the window
     expected = [sum(flops.per_token(s + i + 1) for i in range(k)) for s, k in zip(starts.tolist(), n.tolist())]
     assert flops.prefix(starts, n).tolist() == pytest.approx(expected, rel=1e-12)
 
@@ -82,9 +100,9 @@ class ForwardRecorder:
         monkeypatch.setattr(engine_module, "forward", recorded)
 
     def flops(self) -> float:
-        """Every slot of every forward attends to all kv_len keys (masked or not): B * W * C(kv_len)."""
+        """Every slot of every forward attends to all kv_len keys in every layer (masked or not)."""
         models = {id(m): FlopModel.from_model(m) for m, *_ in self.calls}
-        return sum(b * w * models[id(m)].per_token(kv) for m, b, w, kv in self.calls)
+        return sum(b * w * models[id(m)].slot(kv) for m, b, w, kv in self.calls)
 
 
 POLICIES = {
@@ -163,3 +181,24 @@ def test_ar_equivalent_counts_plain_decodings_tokens(target, drafts, prompts, po
     assert any(len(out) < N for out in result.outputs)
     assert result.stats.ar_flops == pytest.approx(expected, rel=1e-12)
     assert result.stats.flops_dict()["ar_equivalent"] == result.stats.ar_flops
+
+
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_models_are_charged_what_they_compute_and_read(tiny_model, monkeypatch, family) -> None:
+    """The engine scores every key in every layer; a sliding layer's keys outside its window are padding, and
+    plain decoding (which reads only the window) is charged min(ctx, window) keys there."""
+    target = tiny_model(family, **SLIDING[family])
+    draft = LayerSubsetDraft(layers=[0, -1]).build(target).model
+    prompts = [[7] * 20, [3, 9, 4], list(range(5, 18))]
+    ar = decode(target, None, prompts, ArPolicy())
+    recorder = ForwardRecorder(monkeypatch)
+    result = decode(target, draft, prompts, StaticPolicy(k=3))
+    assert result.outputs == ar.outputs
+    assert result.stats.flops_dict()["total"] == pytest.approx(recorder.flops(), rel=1e-9)
+    flops = FlopModel.from_model(target.model)
+    expected = sum(flops.per_token(ctx) for prompt, out in zip(prompts, ar.outputs)
+                   for ctx in range(1, len(prompt) + len(out)))
+    assert result.stats.ar_flops == pytest.approx(expected, rel=1e-12)
+    assert ar.stats.ar_flops == pytest.approx(expected, rel=1e-12)
+    assert expected < sum(FlopModel(flops.matmul_params, flops.n_layer, flops.d_attn).per_token(ctx)
+                          for prompt, out in zip(prompts, ar.outputs) for ctx in range(1, len(prompt) + len(out)))

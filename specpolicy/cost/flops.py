@@ -9,11 +9,12 @@ projections, MLP, and the LM head; embedding lookups and norms are not matmuls),
 multiply-add (2 FLOPs), and the attention term is QK^T plus the attention-weighted sum of V, each
 2 * d_attn FLOPs per key, over `ctx` keys per layer (Kaplan et al. 2020, "Scaling Laws for Neural
 Language Models", Table 1, which counts the QK^T term; Hoffmann et al. 2022, "Training
-Compute-Optimal LLMs", App. F, which counts both). d_attn = n_heads * head_dim.
+Compute-Optimal LLMs", App. F, which counts both). d_attn = n_heads * head_dim. A sliding-window
+layer (Mistral, some of Qwen2's or Gemma's) reads only its last `window` keys: min(ctx, window) there.
 
-The engine computes attention over the whole cache buffer up to the longest row, with a mask. The
-keys a token may see (its prefix) are charged to that token's bucket; the masked keys it computes
-against anyway are charged to `padding`.
+The engine computes attention over the whole cache buffer up to the longest row, in every layer, with
+a mask. The keys a token may see (its prefix, or its window of it) are charged to that token's bucket;
+the masked keys it computes against anyway are charged to `padding`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from specpolicy.models.attention import sliding_layers
+
 BUCKETS = ("useful", "rejected", "padding")
 
 
@@ -32,6 +35,8 @@ class FlopModel:
     matmul_params: int
     n_layer: int
     d_attn: int
+    sliding_layers: int = 0  # of the n_layer, those that read only their last `window` keys
+    window: int = 0
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> FlopModel:
@@ -39,18 +44,27 @@ class FlopModel:
         matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return cls(matmul, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim)
+        sliding, window = sliding_layers(cfg)
+        return cls(matmul, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, sliding, window or 0)
 
     def per_token(self, ctx: float | torch.Tensor) -> float | torch.Tensor:
-        """FLOPs to process one token that attends to `ctx` keys."""
-        return 2 * self.matmul_params + 4 * self.n_layer * self.d_attn * ctx
+        """FLOPs to process one token that attends to `ctx` keys (its prefix), as the model itself runs it."""
+        local = ctx.clamp(max=self.window) if isinstance(ctx, torch.Tensor) else min(ctx, self.window)
+        keys = (self.n_layer - self.sliding_layers) * ctx + self.sliding_layers * local
+        return 2 * self.matmul_params + 4 * self.d_attn * keys
+
+    def slot(self, kv_len: int) -> float:
+        """FLOPs of one slot of an engine forward over `kv_len` keys: every layer scores every key, masked or not."""
+        return 2.0 * self.matmul_params + 4.0 * self.n_layer * self.d_attn * kv_len
 
     def prefix(self, starts: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """FLOPs per row of reading n[b] tokens from position starts[b], each attending to its prefix only:
         sum over i < n of C(starts + i + 1). This is also what plain decoding pays for the same tokens."""
-        s, n = starts.double(), n.double()
-        seen = n * (s + 1) + (n - 1) * n / 2
-        return 2.0 * self.matmul_params * n + 4.0 * self.n_layer * self.d_attn * seen
+        first, n = starts.double() + 1, n.double()  # token i of the n sees first + i keys of its prefix
+        m = (self.window - first + 1).clamp(min=0).minimum(n)  # in a sliding layer, the first m see them all
+        keys = ((self.n_layer - self.sliding_layers) * (n * first + (n - 1) * n / 2)
+                + self.sliding_layers * (m * first + (m - 1) * m / 2 + (n - m) * self.window))
+        return 2.0 * self.matmul_params * n + 4.0 * self.d_attn * keys
 
     def buckets(
         self, starts: torch.Tensor, width: int, kv_len: int, useful: torch.Tensor, used: torch.Tensor
@@ -59,9 +73,9 @@ class FlopModel:
 
         Row b's slots [0, useful[b]) read kept tokens, [useful[b], used[b]) tokens later thrown away,
         [used[b], width) nothing (padding). Every slot computes attention over `kv_len` keys; the keys
-        beyond its own prefix are masked, and charged to padding.
+        beyond its own prefix (or window) are masked, and charged to padding.
         """
         kept = self.prefix(starts, useful)
         thrown = self.prefix(starts, used) - kept
-        total = width * self.per_token(float(kv_len)) * torch.ones_like(kept)
+        total = width * self.slot(kv_len) * torch.ones_like(kept)
         return torch.stack([kept.sum(), thrown.sum(), (total - kept - thrown).sum()])

@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
-from specpolicy.errors import SpecPolicyError
+from specpolicy.models.attention import layer_masks, sliding_window
 from specpolicy.models.fusion import model_inputs
 from specpolicy.models.vocab import scorer
-
-ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
 class RaggedCache(Cache):
@@ -68,28 +66,6 @@ class RaggedCache(Cache):
         return self._kv_len, 0
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A 4D-ready attention mask from a boolean one: 0 where a query may see a key, the dtype's minimum
-    where not. transformers adds a 4D mask to the scores as given, in every attention implementation."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
-
-
-def sliding_window(config) -> int | None:
-    """How many of its last keys a sliding-window layer sees (all layers when the config has no `layer_types`,
-    as Mistral's; those typed `sliding_attention` otherwise, as Qwen2's or Gemma's), or None when every layer
-    sees its whole prefix. A model with other kinds of layers (chunked, linear attention) is refused."""
-    types = getattr(config, "layer_types", None)
-    unknown = sorted(set(types or ()) - set(ATTENTION_TYPES))
-    if unknown:
-        raise SpecPolicyError(f"{config.model_type} has {unknown} attention layers; the decode engine supports "
-                              f"{list(ATTENTION_TYPES)} only")
-    window = getattr(config, "sliding_window", None)  # Qwen2-MoE writes 0 for none
-    if not window or (types is not None and "sliding_attention" not in types):
-        return None
-    return int(window)
-
-
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
     keep: torch.Tensor, max_position: int, rows: slice = slice(None), features: torch.Tensor | None = None,
@@ -110,17 +86,11 @@ def forward(
     B, W = tokens.shape
     cache.begin(starts, W, kv_len, rows)
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
-    window = sliding_window(model.config)
     mask = None
-    if B > 1 or (W > 1 and kv_len > W) or window is not None:
+    if B > 1 or (W > 1 and kv_len > W) or sliding_window(model.config) is not None:
         keys = torch.arange(cache._kv_len, device=tokens.device)
-        behind = positions[:, :, None] - keys[None, None, :]  # [B, W, T] how far each key lies behind each query
-        seen = behind >= 0  # the query's own prefix
-        mask = additive_mask(seen, model.dtype)[:, None]  # [B, 1, W, T]
-        if window is not None:  # transformers' rule: a query sees keys fewer than `window` positions behind it
-            local = additive_mask(seen & (behind < window), model.dtype)[:, None]
-            by_type = getattr(model.config, "layer_types", None) is not None
-            mask = {"full_attention": mask, "sliding_attention": local} if by_type else local
+        behind = (positions[:, :, None] - keys[None, None, :])[:, None]  # [B, 1, W, T] how far each key lies behind
+        mask = layer_masks(model.config, behind >= 0, behind, model.dtype)  # each query sees its own prefix
     hidden = model.base_model(
         **model_inputs(model, tokens, features),
         attention_mask=mask,

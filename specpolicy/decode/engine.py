@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from specpolicy.cost.flops import FlopModel
 from specpolicy.decode import sampling
-from specpolicy.decode.cache import RaggedCache, forward, sliding_window
+from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
@@ -100,11 +100,9 @@ class Engine:
         self.eos = torch.tensor(eos, dtype=torch.long, device=self.device)
         self.context = context_length(target.config)
         self.vocab = target.get_output_embeddings().weight.shape[0]
+        # reading each config's attention layers, these refuse those the engine's masks cannot express
         self.t_flops = FlopModel.from_model(target)
         self.d_flops = FlopModel.from_model(draft) if draft is not None else None
-        for model in (target, draft):  # refuses attention layers the engine's masks cannot express
-            if model is not None:
-                sliding_window(model.config)
         self.fuse = fuses_features(draft)
         # a draft that scores a vocabulary subset drafts in the subset's index (`models.vocab`): its argmax,
         # features and distributions cover 8k scores, not 49k mostly -inf ones; `_draft` maps ids back

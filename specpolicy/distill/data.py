@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from specpolicy.atomic import atomic_path
-from specpolicy.decode.cache import additive_mask
 from specpolicy.errors import SpecPolicyError, check_count
+from specpolicy.models.attention import layer_masks
 from specpolicy.models.fusion import model_inputs, shift, unwrap
 from specpolicy.models.vocab import scorer
 
@@ -191,18 +191,22 @@ def unrolled_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor
     Pass 1 is `hidden_states`. In pass m, token j stands for the m-th token drafted after a committed prefix
     ending at t = j - m + 1: it reads the draft's own state at j - 1 from pass m - 1, and attends to pass 1's
     keys up to t and to pass k's key at t + k - 1 for k = 2..m (the drafted tokens before it and itself),
-    which is exactly what the engine's draft sees at that depth. The passes share one KV cache, so pass m
-    costs one pass of L tokens attending to m * L keys."""
+    which is exactly what the engine's draft sees at that depth (sliding-window layers: of those, the keys less
+    than a window behind it). The passes share one KV cache, so pass m costs one pass of L tokens attending to
+    m * L keys."""
     hf = unwrap(model)
     tokens = batch["input_ids"]
     B, L = tokens.shape
     j = torch.arange(L, device=tokens.device)
     query, key = j[:, None], j[None, :]
-    cache, features, out = DynamicCache(config=hf.config), shift(batch["features"]), []
+    # a cache without the config keeps every key in every layer (a sliding layer's would drop all but its last
+    # window), so each pass attends to the earlier passes' keys; the masks slide where the model does
+    cache, features, out = DynamicCache(), shift(batch["features"]), []
     for m in range(1, passes + 1):
         visible = torch.cat([key <= query - m + 1] + [key == query - m + k for k in range(2, m + 1)], dim=1)
-        mask = additive_mask(visible, hf.dtype)  # [L, m * L]
-        hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask.expand(B, 1, -1, -1),
+        behind = query - key.repeat(1, m)  # [L, m * L]: every pass's key j sits at position j
+        mask = layer_masks(hf.config, visible.expand(B, 1, -1, -1), behind.expand(B, 1, -1, -1), hf.dtype)
+        hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask,
                                position_ids=j.expand(B, -1), cache=cache, use_cache=True).last_hidden_state
         out.append(hidden)
         features = shift(hidden)

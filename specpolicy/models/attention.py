@@ -1,0 +1,54 @@
+"""Which keys each layer's attention reads: the whole prefix, or a sliding window of the last few.
+
+The engine, the distillation data and the FLOP count all build on this one reading of a config, so a
+Mistral- or Qwen2-style model is masked, trained and charged the same way transformers runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from specpolicy.errors import SpecPolicyError
+
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+def sliding_layers(config: PretrainedConfig) -> tuple[int, int | None]:
+    """(how many layers slide, over how many of their last keys), or (0, None) when every layer sees its whole
+    prefix. Without `layer_types` (Mistral) a window applies to every layer; with them (Qwen2, Gemma) to those
+    typed `sliding_attention`. A model with other kinds of layers (chunked, linear attention) is refused."""
+    types = getattr(config, "layer_types", None)
+    unknown = sorted(set(types or ()) - set(ATTENTION_TYPES))
+    if unknown:
+        raise SpecPolicyError(f"{config.model_type} has {unknown} attention layers; specpolicy supports "
+                              f"{list(ATTENTION_TYPES)} only")
+    window = getattr(config, "sliding_window", None)  # Qwen2-MoE writes 0 for none
+    n = config.num_hidden_layers if types is None else types.count("sliding_attention")
+    return (n, int(window)) if window and n else (0, None)
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """How many of its last keys a sliding-window layer sees, or None when no layer slides."""
+    return sliding_layers(config)[1]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 4D-ready attention mask from a boolean one: 0 where a query may see a key, the dtype's minimum
+    where not. transformers adds a 4D mask to the scores as given, in every attention implementation."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def layer_masks(config: PretrainedConfig, visible: torch.Tensor, behind: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive mask(s) to pass as `attention_mask`: `visible` [B, 1, W, T] says which keys each query may
+    see; sliding-window layers also drop keys `window` or more positions behind it (`behind` [B, 1, W, T],
+    transformers' rule). A model with `layer_types` takes a mask per type, one without them a single mask."""
+    window = sliding_window(config)
+    if window is None:
+        return additive_mask(visible, dtype)
+    local = additive_mask(visible & (behind < window), dtype)
+    if getattr(config, "layer_types", None) is None:
+        return local
+    return {"full_attention": additive_mask(visible, dtype), "sliding_attention": local}
