@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from specpolicy.cli import entry, publish
 from specpolicy.data import encode_prompts
+from specpolicy.decode.engine import check_settings
 from specpolicy.errors import check_count, check_counts
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
 from specpolicy.models.fusion import fuses_features
@@ -32,6 +33,7 @@ def bench(cfg: DictConfig) -> None:
         check_counts(f"bench.{setting}", cfg.bench[setting])
     for setting in ("repeats", "num_prompts"):
         check_count(f"bench.{setting}", cfg.bench[setting])
+    check_settings(cfg.engine)
     target, draft = load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     tok, n_new = target.tokenizer, engine.max_new_tokens

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from specpolicy.atomic import atomic_path
 from specpolicy.cli import entry
 from specpolicy.data import encode_prompts
+from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import held_out_metrics, saved_pair
 from specpolicy.models import LoadedModel
 from specpolicy.policy import StaticPolicy
@@ -51,6 +52,7 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size
 
 
 def report(cfg: DictConfig) -> None:
+    check_settings(cfg.engine)
     target, draft = saved_pair(cfg)
     text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft)}, indent=2)
     print(text)

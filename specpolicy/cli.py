@@ -37,16 +37,34 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
 
 def bad_input(err: BaseException) -> str | None:
     """The SpecPolicyError behind `err`, prefixed with the config key when it came from an object Hydra built
-    (`eval.policies.static_k1.k=-1` ends in an InstantiationException whose cause is ours); None otherwise."""
+    (`eval.policies.static_k1.k=-1` ends in an InstantiationException whose cause is ours); else a library's
+    object refusing its settings; None otherwise (a bug: the traceback is shown)."""
     cause: BaseException | None = err
     while cause is not None and not isinstance(cause, SpecPolicyError):
         cause = cause.__cause__
+    key = re.search(r"full_key: (\S+)", str(err)) if isinstance(err, InstantiationException) else None
     if cause is None:
-        return None
-    key = re.search(r"full_key: (\S+)", str(err)) if cause is not err else None
-    if key is None or str(cause).startswith(f"{key.group(1)}."):  # the message names its setting already
+        return library_refusal(err, key)
+    if key is None or cause is err or str(cause).startswith(f"{key.group(1)}."):  # it names its setting already
         return str(cause)
     return f"{key.group(1)}: {cause}"
+
+
+def library_refusal(err: BaseException, key: re.Match | None) -> str | None:
+    """A library's class that Hydra could not import or build from its config (`trainer.devices=abc`, a
+    misspelt `_target_`) or one of ours given a key it does not take, as one line naming the key; None for
+    other errors of our own classes, whose every refusal is a SpecPolicyError (so those are bugs), and when
+    HYDRA_FULL_ERROR=1 asks for the traceback."""
+    target = re.search(r"target '([^']+)'", str(err))
+    if key is None or target is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return None
+    why = " ".join(str(err.__cause__ or "").split())
+    if target.group(1).startswith("specpolicy."):  # a key the class does not take (`+...foo=1`), else a bug
+        unknown = isinstance(err.__cause__, TypeError) and re.search(r"unexpected keyword|missing \d+ required", why)
+        return f"{key.group(1)}: {why}; see conf/ for the settings it takes" if unknown else None
+    if str(err).startswith("Error locating target"):
+        return f"{key.group(1)}: cannot import {target.group(1)} ({why}); fix its _target_"
+    return f"{key.group(1)}: {target.group(1)} refused its settings: {type(err.__cause__).__name__}: {why}"
 
 
 def publish(report: dict, out: str | Path) -> None:

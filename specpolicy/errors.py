@@ -1,36 +1,75 @@
 """One exception type for bad input, so entry points can print one line instead of a traceback."""
 
+import math
+
 
 class SpecPolicyError(Exception):
     """A problem with the user's input or configuration; the message names the problem and the fix."""
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _is_int(value, low: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
+def check_int(setting: str, value, low: int | None = None) -> int:
+    """`value` as an integer (>= `low` when given), or a SpecPolicyError naming `setting`."""
+    if not _is_int(value, low):
+        raise SpecPolicyError(f"{setting} must be an integer{'' if low is None else f' >= {low}'}, got {value!r}")
+    return value
 
 
 def check_count(setting: str, value) -> int:
-    """`value` (a depth, a number of prompts or rounds) as an integer >= 1, or a SpecPolicyError naming `setting`."""
-    if not _is_count(value):
-        raise SpecPolicyError(f"{setting} must be an integer >= 1, got {value}")
-    return value
+    """`value` (a number of prompts, steps or rounds) as an integer >= 1, or a SpecPolicyError naming `setting`."""
+    return check_int(setting, value, 1)
 
 
 def check_depth(policy: str, k) -> int:
     """A policy's maximum draft depth `k` as an integer >= 0 (0: no speculation), or a SpecPolicyError."""
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise SpecPolicyError(f"{policy} depth must be an integer >= 0, got {k!r}")
-    return k
+    return check_int(f"{policy} depth", k, 0)
 
 
 def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
     """`values` (batch sizes, grid points) as a list of integers >= 1, strictly increasing if `increasing` (a
     grid the cost model interpolates on); otherwise a SpecPolicyError that names `setting`."""
     values = list(values)
-    ok = bool(values) and all(map(_is_count, values))
+    ok = bool(values) and all(_is_int(v, 1) for v in values)
     if ok and increasing:
         ok = all(a < b for a, b in zip(values, values[1:]))
     if not ok:
         order = " in increasing order" if increasing else ""
         raise SpecPolicyError(f"{setting} must be a non-empty list of integers >= 1{order}, got {values}")
     return values
+
+
+def check_number(setting: str, value, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, why: str = "") -> float:
+    """`value` as a finite real number in [low, high] (a bound excluded when `low_open`/`high_open`, none when
+    None), or a SpecPolicyError naming `setting` and `why` the bound holds (`engine.temperature=abc` used to end
+    in a TypeError traceback)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        if low is not None and high is not None:
+            bounds = f" in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        elif low is not None:
+            bounds = f" {'>' if low_open else '>='} {low}"
+        else:
+            bounds = "" if high is None else f" {'<' if high_open else '<='} {high}"
+        raise SpecPolicyError(f"{setting} must be a number{bounds}{f' ({why})' if why else ''}, got {value!r}")
+    return value
+
+
+# Lightning Trainer knobs it accepts when built and fails on only inside fit (`max_epochs="abc"` in an
+# AssertionError, `num_sanity_val_steps="abc"` in a TypeError): the lowest value each takes, None allowed.
+TRAINER_INTS = {"max_epochs": -1, "max_steps": -1, "min_epochs": 0, "min_steps": 0, "log_every_n_steps": 1,
+                "check_val_every_n_epoch": 1, "num_sanity_val_steps": -1, "accumulate_grad_batches": 1}
+
+
+def check_trainer(setting: str, trainer) -> None:
+    """The integer knobs of a Trainer config (`setting`: where it lives, e.g. `head.trainer`) that are set."""
+    for key, low in TRAINER_INTS.items():
+        if trainer.get(key) is not None:
+            check_int(f"{setting}.{key}", trainer[key], low)

@@ -20,8 +20,9 @@ from specpolicy import stages
 from specpolicy.cost.profile import device_name
 from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
+from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
-from specpolicy.errors import SpecPolicyError, check_count, check_counts
+from specpolicy.errors import SpecPolicyError, check_count, check_counts, check_int
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise
@@ -48,6 +49,7 @@ def train(cfg: DictConfig) -> None:
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise SpecPolicyError(f"unknown stage(s) {unknown} in stages=; choose from {list(STAGES)}")
+    check_int("seed", cfg.seed)
     for stage in cfg.stages:  # a setting that would fail a later stage fails now, not after a distillation
         CHECKS.get(stage, lambda _: None)(cfg)
     torch.manual_seed(cfg.seed)
@@ -59,11 +61,14 @@ def train(cfg: DictConfig) -> None:
 def evaluate(cfg: DictConfig) -> None:
     """Every policy in `eval.policies` at every batch size in `eval.batch_sizes`, side by side on the same
     prompts, plus transformers' own decoding as honesty baselines; writes the report to `eval.out_dir`."""
+    check_int("seed", cfg.seed)
     check_eval_settings(cfg.eval)
+    check_settings(cfg.engine)
     conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]  # a bad prompts file fails before loading
     target, draft = stages.load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
+    # after the models: a wrong model path is the problem to report, not the artefacts a policy reads
     policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items() if policy is not None}
     if engine.temperature > 0:  # the oracle knows greedy continuations only: sampling runs everything else
         greedy = [name for name, policy in policies.items() if policy.greedy_only]

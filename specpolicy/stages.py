@@ -21,7 +21,8 @@ from specpolicy.atomic import atomic_path
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
-from specpolicy.errors import SpecPolicyError, check_count, check_counts
+from specpolicy.decode.engine import check_settings
+from specpolicy.errors import SpecPolicyError, check_count, check_counts, check_number, check_trainer
 from specpolicy.models import LoadedModel, check_compatible
 from specpolicy.policy import StaticPolicy
 from specpolicy.policy.head import HeadConfig
@@ -81,6 +82,7 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
 
 
 def check_collect(cfg: DictConfig) -> None:
+    check_settings(cfg.engine)  # collection decodes with it
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
     for setting in ("k", "min_prompts_per_size", "max_new_tokens"):
         check_count(f"collect.{setting}", cfg.collect[setting])
@@ -92,8 +94,9 @@ def check_head(cfg: DictConfig) -> None:
     h = cfg.head
     HeadConfig(hidden=h.hidden, layers=h.layers)  # refuses a head that cannot learn
     check_count("head.batch_size", h.batch_size)
-    if not (h.lr > 0 and 0 < h.val_fraction < 1):
-        raise SpecPolicyError(f"need head.lr > 0 and 0 < head.val_fraction < 1, got {h.lr} and {h.val_fraction}")
+    check_number("head.lr", h.lr, 0, low_open=True)
+    check_number("head.val_fraction", h.val_fraction, 0, 1, low_open=True, high_open=True)
+    check_trainer("head.trainer", h.trainer)
 
 
 def collect(cfg: DictConfig) -> None:
@@ -148,7 +151,10 @@ def head(cfg: DictConfig) -> None:
         log.info("head: %s exists, skipping", out)
         return
     h = cfg.head
-    rollouts = datasets.load_from_disk(str(Path(cfg.paths.experiment_dir) / "rollouts")).with_format("torch")[:]
+    saved = Path(cfg.paths.experiment_dir) / "rollouts"
+    if not (saved / "dataset_info.json").exists():
+        raise SpecPolicyError(f"no rollouts at {saved}; run the collect stage first (stages=[collect,head])")
+    rollouts = datasets.load_from_disk(str(saved)).with_format("torch")[:]
     features = torch.stack([rollouts[name].float() for name in FEATURE_NAMES], -1)
     L.seed_everything(cfg.seed, workers=True)
     data = RolloutDataModule(features, rollouts["accepted"].float(), rollouts["group"], h.batch_size, h.val_fraction,

@@ -9,13 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from compose import ROOT
+from specpolicy import errors
+from specpolicy.cli import bad_input
 from specpolicy.cost.profile import profile_file
 
 
 def run(script: str, *overrides: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)  # it asks for library errors' tracebacks
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), f"paths.checkpoints_dir={tmp_path}", *overrides],
         capture_output=True, text=True, env=env, timeout=300,
@@ -43,6 +49,10 @@ def assert_clean_error(proc: subprocess.CompletedProcess, message: str) -> None:
         (["eval.hf_baselines=true", "eval.hf_assisted_k=0"], "eval.hf_assisted_k must be an integer >= 1, got 0"),
         (["data.limit=0"], "error: data.limit (or null for every prompt) must be an integer >= 1"),  # no "data: data."
         ([], "error: eval.policies.goodput: no latency profile at"),  # models load, the profile stage never ran
+        # engine settings fail before any model loads (a string seed or temperature was a Hydra traceback)
+        (["seed=abc"], "error: seed must be an integer, got 'abc'"),
+        (["engine.temperature=abc"], "error: engine.temperature must be a number >= 0, got 'abc'"),
+        (["engine.solo_above=0"], "error: engine.solo_above must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line(overrides: list[str], message: str, tmp_path: Path) -> None:
@@ -65,11 +75,18 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["distill.temperature=0"], "distill.temperature must be > 0 (it divides the logits), got 0"),
+        (["distill.temperature=0"], "distill.temperature must be a number > 0 (it divides the logits), got 0"),
         (["distill/loss=jsd", "distill.loss.beta=2"], "distill.loss.beta (jsd) must be in (0, 1), got 2"),
-        (["distill.feature_loss=-1"], "distill.feature_loss is a loss weight and must be >= 0, got -1"),
+        (["distill.feature_loss=-1"], "distill.feature_loss must be a number >= 0 (a loss weight), got -1"),
         (["distill.optimizer.lr=-1"], "distill.optimizer: Invalid learning rate: -1"),
-        (["head.lr=-1"], "need head.lr > 0 and 0 < head.val_fraction < 1, got -1 and 0.2"),
+        (["head.lr=abc"], "head.lr must be a number > 0, got 'abc'"),
+        (["trainer.max_steps=abc"], "trainer.max_steps must be an integer >= 1, got 'abc'"),
+        # Lightning accepts these when built, then fails inside fit; the scheduler is built inside fit too
+        (["head.trainer.max_epochs=abc"], "head.trainer.max_epochs must be an integer >= -1, got 'abc'"),
+        (["distill.scheduler.num_warmup_steps=abc"], "distill.scheduler: '<' not supported"),
+        # a library class refusing its config when Hydra builds it: its own message, after the key
+        (["trainer.val_check_interval=abc"], "error: trainer: lightning.pytorch.trainer.trainer.Trainer refused "
+                                             "its settings: MisconfigurationException: Invalid time format"),
         (["collect.min_prompts_per_size=0"], "collect.min_prompts_per_size must be an integer >= 1, got 0"),
     ],
 )
@@ -132,7 +149,7 @@ def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
 
 
 @pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be an integer >= 1, got 0"),
-                                           (["distill.temperature=0"], "distill.temperature must be > 0")])
+                                           (["distill.temperature=0"], "distill.temperature must be a number > 0")])
 def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: str, tmp_path: Path) -> None:
     """It calls the distil stage directly, outside the pipeline's script: its errors were tracebacks."""
     assert_clean_error(run("bench_distill.py", *args, "--out", str(tmp_path), tmp_path=tmp_path), message)
@@ -150,3 +167,28 @@ def test_engine_benchmark_reports_ratios_within_rounds(tmp_path: Path) -> None:
         low, high = report["ratio_range"][key]
         assert 0 < low <= ratio <= high
     assert report["assisted_settings"]["1"]["assistant_confidence_threshold"] == 0.0
+
+
+def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:
+    """A misspelt `_target_`, a library class refusing its settings or a key our class does not take is one
+    line; any other exception but SpecPolicyError from our own classes is a bug, whose traceback entry() shows."""
+    with pytest.raises(InstantiationException) as misspelt:
+        instantiate(OmegaConf.create({"opt": {"_target_": "torch.optim.Adamm"}}).opt)
+    assert bad_input(misspelt.value).startswith("opt: cannot import torch.optim.Adamm (")
+    with pytest.raises(InstantiationException) as refused:
+        instantiate(OmegaConf.create({"opt": {"_target_": "torch.optim.SGD", "params": [], "lr": 0.1}}).opt)
+    assert bad_input(refused.value) == "opt: torch.optim.sgd.SGD refused its settings: ValueError: " \
+                                       "optimizer got an empty parameter list"
+    with pytest.raises(InstantiationException) as unknown:
+        instantiate(OmegaConf.create({"policy": {"_target_": "specpolicy.policy.StaticPolicy", "x": 1}}).policy)
+    assert bad_input(unknown.value) == "policy: StaticPolicy.__init__() got an unexpected keyword argument 'x'; " \
+                                       "see conf/ for the settings it takes"
+
+    def bug(**_):
+        raise TypeError("an internal mistake")
+
+    bug.__module__, bug.__qualname__ = errors.__name__, "bug"  # as if it were one of ours
+    monkeypatch.setattr(errors, "bug", bug, raising=False)
+    with pytest.raises(InstantiationException) as ours:
+        instantiate(OmegaConf.create({"stage": {"_target_": "specpolicy.errors.bug"}}).stage)
+    assert bad_input(ours.value) is None

@@ -35,6 +35,11 @@ def test_samples_per_prompt_gives_each_copy_its_own_response(tiny_model, tmp_pat
     ({"samples_per_prompt": 2, "temperature": 0.0}, "samples_per_prompt=2.*temperature > 0"),
     ({"max_new_tokens": 0}, "distill.data.max_new_tokens must be an integer >= 1, got 0"),
     ({"train_prompts": 0}, r"distill.data.train_prompts \(or null for the whole split\) must be an integer >= 1"),
+    # strings used to reach the engine (blamed as engine.temperature) or a comparison's TypeError traceback
+    ({"temperature": "abc"}, r"distill.data.temperature must be a number >= 0, got 'abc'"),
+    ({"samples_per_prompt": "abc"}, r"distill.data.samples_per_prompt must be an integer >= 1, got 'abc'"),
+    ({"top_k": -1}, r"distill.data.top_k \(0: targets computed on the fly\) must be an integer >= 0, got -1"),
+    ({"test_prompts": "abc"}, r"distill.data.test_prompts \(0: no test metrics; null: the whole split\) must be an"),
 ])
 def test_data_settings_are_refused_before_generating(settings: dict, message: str):
     with pytest.raises(SpecPolicyError, match=message):

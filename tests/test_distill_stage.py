@@ -141,7 +141,8 @@ def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):
 def test_draft_vocab_with_trainable_embeddings_is_refused(shared):
     with pytest.raises(SpecPolicyError, match="distill.draft_vocab needs distill.freeze_embeddings=true"):
         distil(_cfg(shared, "vocab_bad", "distill.draft_vocab=64"))
-    with pytest.raises(SpecPolicyError, match="distill.draft_vocab=0 must be between 1"):  # not read as null
+    zero = r"distill.draft_vocab \(or null for the full head\) must be an integer >= 1, got 0"  # not read as null
+    with pytest.raises(SpecPolicyError, match=zero):
         distil(_cfg(shared, "vocab_zero", "distill.draft_vocab=0", "distill.freeze_embeddings=true"))
 
 

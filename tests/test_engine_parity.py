@@ -7,6 +7,7 @@ and plain paths (the cache, the masks, positions) is caught too, not only a spec
 from __future__ import annotations
 
 import copy
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,9 +19,10 @@ import torch
 import synthetic
 from conftest import DEVICE
 from specpolicy.decode import DecodeResult, Engine
-from specpolicy.models.attention import sliding_window
+from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel
+from specpolicy.models.attention import sliding_window
 from specpolicy.models.draft import LayerSubsetDraft
 from specpolicy.policy import (
     ArPolicy,
@@ -358,3 +360,19 @@ def test_attention_layers_the_masks_cannot_express_are_refused(tiny_model) -> No
     config.layer_types = ["full_attention", "linear_attention"] * 2
     with pytest.raises(SpecPolicyError, match=r"qwen2 has \['linear_attention'\] attention layers"):
         sliding_window(config)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"max_new_tokens": 0}, "engine.max_new_tokens must be an integer >= 1, got 0"),
+    ({"temperature": "abc"}, "engine.temperature must be a number >= 0, got 'abc'"),
+    ({"top_p": 0}, "engine.top_p must be a number in (0, 1], got 0"),
+    ({"seed": 1.5}, "engine.seed must be an integer, got 1.5"),
+    ({"solo_above": 0}, "engine.solo_above must be an integer >= 1, got 0"),  # would read empty backlogs alone
+    ({"max_padding": 1.5}, "engine.max_padding must be a number in [0, 1], got 1.5"),
+])
+def test_engine_refuses_settings_that_cannot_decode(tiny_model, settings: dict, message: str) -> None:
+    """The pipelines run the same check on `cfg.engine` before any model loads (keys it does not know pass)."""
+    with pytest.raises(SpecPolicyError, match=re.escape(message)):
+        check_settings({"_target_": "specpolicy.decode.Engine", **settings})
+    with pytest.raises(SpecPolicyError, match=re.escape(message)):
+        Engine(tiny_model().model, **settings)

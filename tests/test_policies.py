@@ -225,9 +225,10 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
 @pytest.mark.parametrize("make, message", [
     (lambda: ConfidencePolicy(k=4, threshold=2.0), "top1 is a probability"),
     (lambda: ThresholdPolicy(k=4, threshold=-0.1, feature="margin"), "margin is a probability"),
-    (lambda: GoodputPolicy(synthetic.profile(), memory=1.5), "0 < memory <= 1"),
-    (lambda: GoodputPolicy(synthetic.profile(), strength=0), "strength > 0"),
-    (lambda: GoodputPolicy(synthetic.profile(), prior=1.2), "prior in"),
+    (lambda: GoodputPolicy(synthetic.profile(), memory=1.5), "memory must be a number in (0, 1], got 1.5"),
+    (lambda: GoodputPolicy(synthetic.profile(), strength=0), "strength must be a number > 0, got 0"),
+    (lambda: GoodputPolicy(synthetic.profile(), optimism="abc"), "optimism must be a number >= 0, got 'abc'"),
+    (lambda: GoodputPolicy(synthetic.profile(), prior=1.2), "prior (or null) must be a number in [0, 1], got 1.2"),
     (lambda: GoodputPolicy(synthetic.profile(), k=-1), "goodput/learned depth must be an integer >= 0, got -1"),
     (lambda: StaticPolicy(k="abc"), "static depth must be an integer >= 0, got 'abc'"),  # a YAML typo
     (lambda: EntropyPolicy(k=4, threshold=-1.0), "entropy is never negative, so its threshold must be >= 0"),
@@ -248,8 +249,10 @@ def test_head_round_trip(tmp_path: Path) -> None:
     assert torch.equal(head(x), again(x))
     with pytest.raises(Exception, match="no trained depth head"):
         DepthHead.load(tmp_path / "missing")
-    with pytest.raises(SpecPolicyError, match="head.hidden must be >= 1"):
+    with pytest.raises(SpecPolicyError, match="head.hidden must be an integer >= 1, got 0"):
         HeadConfig(hidden=0)
+    with pytest.raises(SpecPolicyError, match=r"head.layers \(0: a logistic regression\) must be an integer >= 0"):
+        HeadConfig(layers="abc")
     assert DepthHead(HeadConfig(layers=0))(x).shape == (5,)  # no hidden layer: a logistic regression
 
 

@@ -24,7 +24,9 @@ the transformers Cache API (`base_model`, `get_output_embeddings`, 4D attention 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -33,7 +35,7 @@ from specpolicy.cost.flops import FlopModel
 from specpolicy.decode import sampling
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import context_length
 from specpolicy.models.vocab import subset_of
@@ -74,6 +76,20 @@ class DecodeResult:
     stats: DecodeStats
 
 
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Refuse engine settings that cannot decode, naming each as `engine.<key>`: Engine() checks its own, the
+    pipelines check `cfg.engine` before any model loads (`engine.seed=abc` used to end in a traceback there)."""
+    counts = {"max_new_tokens", "solo_above"}  # solo_above=0 would read empty backlogs alone
+    ranges = {"temperature": (0, None, False), "top_p": (0, 1, True), "max_padding": (0, 1, False)}
+    for key, value in settings.items():
+        if key in counts:
+            check_count(f"engine.{key}", value)
+        elif key in ranges:
+            check_number(f"engine.{key}", value, *ranges[key])
+        elif key == "seed":
+            check_int("engine.seed", value)
+
+
 class Engine:
     """Decode batches of prompts with `target`, speculating with `draft` as `policy` decides."""
 
@@ -87,10 +103,8 @@ class Engine:
         unless reading every row's backlog in one padded forward wastes at most `max_padding` of its slots:
         a few rows of similar length read faster together (0.3 chosen on validation prompts; on the test
         prompts, fp32 `ar` at batch 2 / 4 / 8: 62.3 / 86.2 / 85.4 tok/s against 58.3 / 82.5 / 86.0 with 0)."""
-        if max_new_tokens < 1:
-            raise SpecPolicyError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise SpecPolicyError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+        check_settings({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                        "solo_above": solo_above, "max_padding": max_padding})
         self.target, self.draft = target, draft
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
         self.solo_above, self.max_padding = solo_above, max_padding

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from specpolicy.atomic import atomic_path
-from specpolicy.errors import SpecPolicyError, check_count
+from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.attention import layer_masks
 from specpolicy.models.fusion import model_inputs, shift, unwrap
 from specpolicy.models.vocab import scorer
@@ -63,14 +63,18 @@ class DistillData:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise SpecPolicyError(f"distill.data.source={self.source!r}; choose one of {list(SOURCES)}")
-        if self.samples_per_prompt < 1 or (self.samples_per_prompt > 1 and self.temperature <= 0):
-            raise SpecPolicyError(f"distill.data.samples_per_prompt={self.samples_per_prompt} needs to be 1, or more "
-                                  f"with distill.data.temperature > 0 (greedy decoding repeats one response)")
-        for setting in ("max_new_tokens", "batch_size"):
+        for setting in ("max_new_tokens", "batch_size", "samples_per_prompt"):
             check_count(f"distill.data.{setting}", getattr(self, setting))
         for setting in ("train_prompts", "val_prompts"):  # null: the whole split
             if getattr(self, setting) is not None:
                 check_count(f"distill.data.{setting} (or null for the whole split)", getattr(self, setting))
+        if self.test_prompts is not None:
+            check_int("distill.data.test_prompts (0: no test metrics; null: the whole split)", self.test_prompts, 0)
+        check_int("distill.data.top_k (0: targets computed on the fly)", self.top_k, 0)
+        check_int("distill.data.seed", self.seed)
+        if check_number("distill.data.temperature", self.temperature, 0) == 0 and self.samples_per_prompt > 1:
+            raise SpecPolicyError(f"distill.data.samples_per_prompt={self.samples_per_prompt} needs "
+                                  f"distill.data.temperature > 0 (greedy decoding repeats one response), or 1")
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
         which = ("train_prompts", "val_prompts", "test_prompts", "batch_size")  # the prompts are hashed themselves

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.data import encode_prompts
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import describe_cost
 from specpolicy.models.fusion import fuses_features
@@ -41,18 +41,29 @@ def check_distil(cfg: DictConfig) -> None:
     d = cfg.distill
     if d.target_probs not in TARGET_PROBS:
         raise SpecPolicyError(f"distill.target_probs={d.target_probs!r}; choose one of {list(TARGET_PROBS)}")
-    if cfg.trainer.get("max_steps", -1) <= 0:
+    if cfg.trainer.get("max_steps", -1) == -1:
         raise SpecPolicyError("distillation runs for a number of steps; set trainer.max_steps to a positive number")
-    if not d.temperature > 0:
-        raise SpecPolicyError(f"distill.temperature must be > 0 (it divides the logits), got {d.temperature}")
-    if d.feature_loss < 0:
-        raise SpecPolicyError(f"distill.feature_loss is a loss weight and must be >= 0, got {d.feature_loss}")
+    check_count("trainer.max_steps", cfg.trainer.max_steps)
+    check_trainer("trainer", cfg.trainer)
+    check_number("distill.temperature", d.temperature, 0, low_open=True, why="it divides the logits")
+    check_number("distill.feature_loss", d.feature_loss, 0, why="a loss weight")
+    check_count("distill.batch_size", d.batch_size)
+    check_count("distill.max_length", d.max_length)
+    check_int("distill.unroll", d.unroll, 0)
+    if d.get("draft_vocab") is not None:  # its upper bound, the vocabulary, is checked once the target loads
+        check_count("distill.draft_vocab (or null for the full head)", d.draft_vocab)
     uniform = torch.full((1, 2), -math.log(2.0))
     instantiate(d.loss)(uniform, uniform)
-    try:  # torch's optimizers refuse a negative lr, betas outside [0, 1), ... when built
-        instantiate(d.optimizer)([torch.nn.Parameter(torch.zeros(1))])
-    except ValueError as err:
+    try:  # torch's optimizers refuse a negative lr, betas outside [0, 1), a string, ... when built
+        optimizer = instantiate(d.optimizer)([torch.nn.Parameter(torch.zeros(1))])
+    except (ValueError, TypeError) as err:
         raise SpecPolicyError(f"distill.optimizer: {err}; fix its settings (e.g. distill.optimizer.lr=3e-4)") from err
+    if d.get("scheduler"):  # built as the module builds it, inside fit
+        try:
+            instantiate(d.scheduler)(optimizer, num_training_steps=cfg.trainer.max_steps)
+        except (ValueError, TypeError) as err:
+            raise SpecPolicyError(f"distill.scheduler: {err}; fix its settings (e.g. "
+                                  f"distill.scheduler.num_warmup_steps=20)") from err
     instantiate(d.data)
 
 
@@ -66,9 +77,9 @@ def distil(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
     draft = instantiate(cfg.draft).build(target)
-    if d.unroll < 0 or (d.unroll and not fuses_features(draft.model)):
-        raise SpecPolicyError(f"distill.unroll={d.unroll}: it trains a feature-fusing draft on its own states and "
-                              f"must be 0 or more; set draft_fuse_features=true, or distill.unroll=0")
+    if d.unroll and not fuses_features(draft.model):
+        raise SpecPolicyError(f"distill.unroll={d.unroll}: it trains a feature-fusing draft on its own states; "
+                              f"set draft_fuse_features=true, or distill.unroll=0")
     datamodule = _datamodule(cfg, target, draft)
     vocab, full_head = _narrow_head(d, target, draft, datamodule)
     model = _trainable(draft.model, d)

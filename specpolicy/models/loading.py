@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specpolicy.atomic import atomic_path
@@ -186,7 +187,11 @@ class RandomInitSource:
             "initializer_range": 0.3,
             **self.config,
         }
-        config = AutoConfig.for_model(self.model_type, **kwargs)
+        try:  # transformers validates the fields and the architecture (heads dividing the width, ...)
+            config = AutoConfig.for_model(self.model_type, **kwargs)
+        except (StrictDataclassError, TypeError, ValueError) as err:
+            problem = " ".join(str(err).split())
+            raise SpecPolicyError(f"target.config cannot build a {self.model_type} model: {problem}") from err
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

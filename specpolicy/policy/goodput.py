@@ -54,7 +54,7 @@ import torch
 
 from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile, profile_file
-from specpolicy.errors import SpecPolicyError, check_depth
+from specpolicy.errors import check_depth, check_number
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.policy.head import DepthHead
 from specpolicy.rollout.features import COLUMN
@@ -119,9 +119,11 @@ class GoodputPolicy(DepthPolicy):
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
                  dtype: str = "float32", skinny_gemm: bool = False, prior: float | None = None, strength: float = 4.0,
                  memory: float = 0.95, optimism: float = 1.0, wait_for_slowest: bool = True):
-        if not (strength > 0 and 0 < memory <= 1 and optimism >= 0 and (prior is None or 0 <= prior <= 1)):
-            raise SpecPolicyError(f"goodput/learned need strength > 0, 0 < memory <= 1, optimism >= 0 and a prior in "
-                                  f"[0, 1] (or null); got {strength}, {memory}, {optimism}, {prior}")
+        check_number("goodput/learned strength", strength, 0, low_open=True)
+        check_number("goodput/learned memory", memory, 0, 1, low_open=True)
+        check_number("goodput/learned optimism", optimism, 0)
+        if prior is not None:
+            check_number("goodput/learned prior (or null)", prior, 0, 1)
         self.max_depth = check_depth("goodput/learned", k)
         if not isinstance(profile, LatencyProfile):
             profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from specpolicy.atomic import atomic_path
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count, check_int
 from specpolicy.rollout.features import COLUMN, FEATURE_NAMES
 
 
@@ -27,9 +27,8 @@ class HeadConfig:
     prior: float = 0.5  # acceptance rate of a first draft token in the training rollouts
 
     def __post_init__(self) -> None:
-        if self.layers < 0 or (self.layers and self.hidden < 1):  # hidden=0 would train a constant
-            raise SpecPolicyError(f"head.hidden must be >= 1 and head.layers >= 0 (0: a logistic regression), "
-                                  f"got hidden={self.hidden}, layers={self.layers}")
+        if check_int("head.layers (0: a logistic regression)", self.layers, 0):
+            check_count("head.hidden", self.hidden)  # hidden=0 would train a constant
 
 
 class DepthHead(nn.Module):
