@@ -101,7 +101,8 @@ def test_bad_distillation_setting_fails_before_training(overrides: list[str], me
 
 def test_missing_trained_artifacts_say_which_stage_to_run(tmp_path: Path) -> None:
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
-    assert_clean_error(proc, "does not exist")
+    assert_clean_error(proc, "draft' does not exist; run the distil stage of scripts/train.py for experiment_name=tiny "
+                             "first, or point draft.source.path at a draft folder")
 
 
 def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:

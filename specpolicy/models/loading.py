@@ -68,6 +68,7 @@ class PretrainedSource:
     device: str = "auto"
     cache_dir: str | None = None
     skinny_gemm: bool = True  # few-row float32 products on a CPU as tall GEMMs (models.skinny)
+    missing: str | None = None  # the fix to print when `path` does not exist (e.g. the stage that writes it)
 
     def load(self) -> LoadedModel:
         resolve_dtype(self.dtype), resolve_device(self.device)  # fail on bad values before a slow load
@@ -93,10 +94,9 @@ class PretrainedSource:
         looks_local = self.path.startswith((".", "/", "~")) or path.suffix == ".gguf" or self.path.count("/") != 1
         if looks_local:
             kind = "GGUF file" if path.suffix == ".gguf" else "model path"
-            raise SpecPolicyError(
-                f"{kind} {self.path!r} does not exist; point target.path / draft.path at an HF model folder, "
-                f"a .gguf file or a hub id (owner/name)"
-            )
+            fix = self.missing or ("point target.path / draft.path at an HF model folder, a .gguf file or a hub id "
+                                   "(owner/name)")
+            raise SpecPolicyError(f"{kind} {self.path!r} does not exist; {fix}")
         return Path(self.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
 
     def _converted(self, gguf: Path) -> Path:
