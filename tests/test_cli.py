@@ -13,10 +13,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from compose import ROOT
+from compose import ROOT, compose_config
 from specpolicy import errors
-from specpolicy.cli import bad_input
+from specpolicy.cli import bad_input, entry
 from specpolicy.cost.profile import profile_file
+from specpolicy.pipeline import train
 
 
 def run(script: str, *overrides: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -90,12 +91,18 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
         (["collect.min_prompts_per_size=0"], "collect.min_prompts_per_size must be an integer >= 1, got 0"),
     ],
 )
-def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path) -> None:
+def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path,
+                                                        capsys, monkeypatch) -> None:
     """These used to surface only in the Lightning loops: temperature 0 trained to the end on logits / 0 without
     a word, a negative feature weight trained too, beta=2 and a negative lr stopped in ValueError tracebacks
-    (and min_prompts_per_size=0 in one from the collect stage's sampler)."""
-    proc = run("train.py", "experiment=tiny", "debug=fast", *overrides, tmp_path=tmp_path)
-    assert_clean_error(proc, message)
+    (and min_prompts_per_size=0 in one from the collect stage's sampler). In-process through `entry`, what
+    scripts/train.py runs (the scripts themselves: the subprocess tests around this one)."""
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # it asks for library errors' tracebacks
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", *overrides], tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        entry(train, cfg)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "tiny" / "draft").exists()
 
 
