@@ -86,11 +86,11 @@ def forward(
     B, W = tokens.shape
     cache.begin(starts, W, kv_len, rows)
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
-    mask = None
-    if B > 1 or (W > 1 and kv_len > W) or sliding_window(model.config) is not None:
+    mask, window = None, sliding_window(model.config)
+    if B > 1 or (W > 1 and kv_len > W) or window is not None:
         keys = torch.arange(cache._kv_len, device=tokens.device)
         behind = (positions[:, :, None] - keys[None, None, :])[:, None]  # [B, 1, W, T] how far each key lies behind
-        mask = layer_masks(model.config, behind >= 0, behind, model.dtype)  # each query sees its own prefix
+        mask = layer_masks(model.config, window, behind >= 0, behind, model.dtype)  # each query: its own prefix
     hidden = model.base_model(
         **model_inputs(model, tokens, features),
         attention_mask=mask,

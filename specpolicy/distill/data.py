@@ -36,7 +36,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
-from specpolicy.models.attention import layer_masks
+from specpolicy.models.attention import layer_masks, sliding_window
 from specpolicy.models.fusion import model_inputs, shift, unwrap
 from specpolicy.models.vocab import scorer
 
@@ -206,10 +206,11 @@ def unrolled_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor
     # a cache without the config keeps every key in every layer (a sliding layer's would drop all but its last
     # window), so each pass attends to the earlier passes' keys; the masks slide where the model does
     cache, features, out = DynamicCache(), shift(batch["features"]), []
+    window = sliding_window(hf.config)
     for m in range(1, passes + 1):
         visible = torch.cat([key <= query - m + 1] + [key == query - m + k for k in range(2, m + 1)], dim=1)
         behind = query - key.repeat(1, m)  # [L, m * L]: every pass's key j sits at position j
-        mask = layer_masks(hf.config, visible.expand(B, 1, -1, -1), behind.expand(B, 1, -1, -1), hf.dtype)
+        mask = layer_masks(hf.config, window, visible.expand(B, 1, -1, -1), behind.expand(B, 1, -1, -1), hf.dtype)
         hidden = hf.base_model(**model_inputs(hf, tokens, features), attention_mask=mask,
                                position_ids=j.expand(B, -1), cache=cache, use_cache=True).last_hidden_state
         out.append(hidden)

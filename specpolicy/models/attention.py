@@ -40,12 +40,12 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)
 
 
-def layer_masks(config: PretrainedConfig, visible: torch.Tensor, behind: torch.Tensor,
+def layer_masks(config: PretrainedConfig, window: int | None, visible: torch.Tensor, behind: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive mask(s) to pass as `attention_mask`: `visible` [B, 1, W, T] says which keys each query may
-    see; sliding-window layers also drop keys `window` or more positions behind it (`behind` [B, 1, W, T],
-    transformers' rule). A model with `layer_types` takes a mask per type, one without them a single mask."""
-    window = sliding_window(config)
+    see; sliding-window layers (`window`: `sliding_window(config)`, which the caller has at hand) also drop keys
+    `window` or more positions behind it (`behind` [B, 1, W, T], transformers' rule). A model with
+    `layer_types` takes a mask per type, one without them a single mask."""
     if window is None:
         return additive_mask(visible, dtype)
     local = additive_mask(visible & (behind < window), dtype)
