@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpolicy.errors import SpecPolicyError, check_count, check_depth
+from specpolicy.errors import SpecPolicyError, check_count, check_depth, check_number
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN
 
@@ -55,8 +55,8 @@ class HeuristicPolicy(DepthPolicy):
 
     def __post_init__(self) -> None:
         self.max_depth = check_depth("heuristic", self.max_k)
-        if not (isinstance(self.min_k, int) and isinstance(self.initial, int) and
-                0 <= self.min_k <= self.initial <= self.max_k):
+        if not (check_depth("heuristic min_k", self.min_k) <= check_depth("heuristic initial", self.initial)
+                <= self.max_k):
             raise SpecPolicyError(f"heuristic depths need 0 <= min_k <= initial <= max_k, got min_k={self.min_k!r}, "
                                   f"initial={self.initial!r}, max_k={self.max_k}")
         self._k = torch.empty(0, dtype=torch.long)
@@ -88,8 +88,7 @@ class ThresholdPolicy(DepthPolicy):
         if self.feature not in COLUMN:
             raise SpecPolicyError(f"unknown feature {self.feature!r}; choose from {list(COLUMN)}")
         # outside a feature's range every row stops or none does: a typo, not a policy
-        if not isinstance(self.threshold, (int, float)) or isinstance(self.threshold, bool):
-            raise SpecPolicyError(f"{type(self).__name__}: threshold must be a number, got {self.threshold!r}")
+        check_number(f"{type(self).__name__}: threshold", self.threshold)
         if self.feature in PROBABILITIES and not 0 <= self.threshold <= 1:
             raise SpecPolicyError(f"{type(self).__name__}: {self.feature} is a probability, so its threshold must be "
                                   f"in [0, 1], got {self.threshold}")
