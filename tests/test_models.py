@@ -52,6 +52,17 @@ def test_missing_sources_name_the_fix(path: str, message: str) -> None:
         PretrainedSource(path=path, device="cpu", cache_dir="/tmp").load()
 
 
+def test_incomplete_hf_folders_say_what_is_missing(target, tmp_path: Path) -> None:
+    """A folder that is not a saved model (the experiment folder instead of its draft/, or a copy without its
+    weights) is one error naming the folder, not a tokenizer traceback from inside transformers."""
+    with pytest.raises(SpecPolicyError, match="not an HF model folder .*no config.json"):
+        PretrainedSource(path=str(tmp_path), device="cpu").load()
+    save_model(tmp_path / "m", target.model, target.tokenizer)
+    (tmp_path / "m" / "model.safetensors").unlink()
+    with pytest.raises(SpecPolicyError, match="cannot load the HF model folder .*model.safetensors"):
+        PretrainedSource(path=str(tmp_path / "m"), device="cpu").load()
+
+
 def test_bad_dtype_and_device_are_refused_before_loading() -> None:
     with pytest.raises(SpecPolicyError, match="unknown dtype 'float33'"):
         PretrainedSource(path="x", dtype="float33").load()

@@ -149,11 +149,19 @@ def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTok
 
 
 def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    folder = Path(path)
+    if folder.is_dir() and not (folder / "config.json").exists():
+        raise SpecPolicyError(f"{path!r} is a folder but not an HF model folder (it has no config.json); point at the "
+                              f"folder that save_pretrained wrote (config, weights and tokenizer)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         load_fusion(model, path)  # a feature-fusing draft's extra layer (models.fusion)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # transformers' word on a folder or hub id it cannot read
+        problem = " ".join(str(err).split())
+        if folder.is_dir():
+            raise SpecPolicyError(f"cannot load the HF model folder {path!r}: {problem}; check it holds the config, "
+                                  f"weights and tokenizer that save_pretrained writes") from err
         raise SpecPolicyError(
             f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
             f"(offline, or a typo?); download it first or point at a local folder ({err.__class__.__name__})"
