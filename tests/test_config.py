@@ -134,7 +134,9 @@ def test_a_profile_of_one_kernel_path_never_prices_the_other(tmp_path: Path) -> 
     fake_artifacts(tmp_path / "tiny")  # measured with skinny layers: the default
     plain = compose_config("evaluate", ["experiment=tiny", "runtime.skinny_gemm=false"], tmp_path)
     skinny = profile_file("profile", "cpu", "float32", skinny_gemm=True).name
-    with pytest.raises(Exception, match=f"no latency profile .* holds \\['{skinny}'\\]"):  # hydra wraps it
+    refusal = (f"no latency profile .* holds \\['{skinny}'\\].*"
+               "stages=\\[profile\\] runtime.dtype=float32 runtime.skinny_gemm=false")  # the settings to profile with
+    with pytest.raises(Exception, match=refusal):  # hydra wraps it
         instantiate(plain.eval.policies.learned)
 
 

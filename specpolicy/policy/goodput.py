@@ -126,7 +126,8 @@ class GoodputPolicy(DepthPolicy):
             check_number("goodput/learned prior (or null)", prior, 0, 1)
         self.max_depth = check_depth("goodput/learned", k)
         if not isinstance(profile, LatencyProfile):
-            profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm))
+            settings = f"runtime.dtype={dtype} runtime.skinny_gemm={str(skinny_gemm).lower()}"
+            profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm), settings)
         self.cost = CostModel(profile)
         self.estimator = estimator or DraftConfidence()
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
