@@ -150,6 +150,17 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     assert "report:" in proc.stdout
 
 
+def test_the_readme_multirun_gives_each_job_its_own_experiment(tmp_path: Path) -> None:
+    """README's offline sweep: `experiment_name=.../${hydra:job.num}` is read per job, so the sweep's own folder,
+    made before any job, must not depend on it (it did, and the multirun stopped in a Hydra traceback)."""
+    proc = run("train.py", "hydra.mode=MULTIRUN", "experiment=tiny", "debug=fast", "stages=[distil]",  # = -m
+               "distill/loss=forward_kl,tvd", "experiment_name=sweep/${hydra:job.num}", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in ("0", "1"):
+        assert (tmp_path / "sweep" / job / "draft" / "metrics.json").exists(), job
+    assert len(list((tmp_path / "multirun" / "train").glob("*/multirun.yaml"))) == 1
+
+
 @pytest.mark.parametrize("override, message", [("bench.ks=[0,1]", "bench.ks must be a non-empty list"),
                                                ("bench.repeats=0", "bench.repeats must be an integer >= 1")])
 def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_path: Path) -> None:
