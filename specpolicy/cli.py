@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
@@ -26,6 +26,7 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     os.environ.setdefault("WANDB_MODE", "offline")  # no hub here; a user who sets WANDB_MODE goes online
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        check_set(cfg)
         return task(cfg)
     except (SpecPolicyError, InstantiationException) as err:
         problem = bad_input(err)
@@ -33,6 +34,15 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
             raise
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_set(cfg: DictConfig | Any) -> None:
+    """Settings left `???` in conf/ (a pretrained model's path) fail before any stage runs, not as an omegaconf
+    traceback from wherever the first of them is read."""
+    missing = sorted(OmegaConf.missing_keys(cfg)) if isinstance(cfg, DictConfig) else []
+    if missing:
+        raise SpecPolicyError(f"{', '.join(missing)} must be set (??? in conf/); add "
+                              f"{' '.join(key + '=...' for key in missing)} to the command")
 
 
 def bad_input(err: BaseException) -> str | None:

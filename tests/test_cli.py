@@ -89,6 +89,8 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
         (["trainer.val_check_interval=abc"], "error: trainer: lightning.pytorch.trainer.trainer.Trainer refused "
                                              "its settings: MisconfigurationException: Invalid time format"),
         (["collect.min_prompts_per_size=0"], "collect.min_prompts_per_size must be an integer >= 1, got 0"),
+        # a required path left ??? was an omegaconf traceback once the distil stage had loaded the target
+        (["draft=pretrained"], "error: draft.source.path must be set (??? in conf/); add draft.source.path=..."),
     ],
 )
 def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path,
