@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from specpolicy.cli import entry, publish
 from specpolicy.data import encode_prompts
 from specpolicy.decode.engine import check_settings
-from specpolicy.errors import check_count, check_counts
+from specpolicy.errors import check_batch_sizes, check_count, check_counts
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
 from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import ArPolicy, StaticPolicy
@@ -38,6 +38,7 @@ def bench(cfg: DictConfig) -> None:
     engine = instantiate(cfg.engine)(target.model, draft.model)
     tok, n_new = target.tokenizer, engine.max_new_tokens
     prompts = encode_prompts(tok, instantiate(cfg.data).load()[: cfg.bench.num_prompts], target.context_length, n_new)
+    check_batch_sizes("bench.batch_sizes", cfg.bench.batch_sizes, len(prompts), "raise bench.num_prompts or data.limit")
     eos = target.model.generation_config.eos_token_id
     rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
 

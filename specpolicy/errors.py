@@ -41,6 +41,15 @@ def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
     return values
 
 
+def check_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> None:
+    """Batch sizes no larger than the prompts to decode: a batch of 8 over 4 prompts runs 4 rows, and its
+    numbers would be reported as batch 8's."""
+    too_big = [size for size in sizes if size > prompts]
+    if too_big:
+        raise SpecPolicyError(f"{setting} {too_big} exceed the {prompts} prompts to decode (a batch cannot have more "
+                              f"rows than prompts); {fix}, or drop those sizes")
+
+
 def check_number(setting: str, value, low: float | None = None, high: float | None = None,
                  low_open: bool = False, high_open: bool = False, why: str = "") -> float:
     """`value` as a finite real number in [low, high] (a bound excluded when `low_open`/`high_open`, none when

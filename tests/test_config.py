@@ -96,6 +96,8 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("evaluate", "eval.batch_sizes=[1,2.5]", "eval.batch_sizes must be"),
     ("evaluate", "eval.batch_sizes=[]", "eval.batch_sizes must be"),
     ("evaluate", "eval.num_prompts=0", "eval.num_prompts must be"),
+    # 4 prompts (debug=fast): a batch of 8 ran 4 rows and was reported as batch 8
+    ("evaluate", "eval.batch_sizes=[1,8]", "eval.batch_sizes [8] exceed the 4 prompts to decode"),
     ("train", "profile.rows=[0,1]", "profile.rows must be"),
     ("train", "profile.tokens=[4,2]", "profile.tokens must be a non-empty list of integers >= 1 in increasing order, "
                                       "got [4, 2]"),
