@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from specpolicy.cli import entry, publish
 from specpolicy.data import encode_prompts
 from specpolicy.decode.engine import check_settings
-from specpolicy.errors import check_batch_sizes, check_count, check_counts
+from specpolicy.errors import check_count, check_counts, fitting_batch_sizes
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
 from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import ArPolicy, StaticPolicy
@@ -38,7 +38,8 @@ def bench(cfg: DictConfig) -> None:
     engine = instantiate(cfg.engine)(target.model, draft.model)
     tok, n_new = target.tokenizer, engine.max_new_tokens
     prompts = encode_prompts(tok, instantiate(cfg.data).load()[: cfg.bench.num_prompts], target.context_length, n_new)
-    check_batch_sizes("bench.batch_sizes", cfg.bench.batch_sizes, len(prompts), "raise bench.num_prompts or data.limit")
+    batch_sizes = fitting_batch_sizes("bench.batch_sizes", cfg.bench.batch_sizes, len(prompts),
+                                      "raise bench.num_prompts or data.limit")
     eos = target.model.generation_config.eos_token_id
     rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
 
@@ -50,7 +51,7 @@ def bench(cfg: DictConfig) -> None:
     engine.generate(prompts[:2], StaticPolicy(k=2))  # warm-up
     for _ in range(cfg.bench.repeats):
         rounds.append({})
-        for bs in cfg.bench.batch_sizes:
+        for bs in batch_sizes:
             for start in range(0, len(prompts), bs):
                 batch = prompts[start : start + bs]
                 r = engine.generate(batch, ArPolicy())
@@ -64,7 +65,7 @@ def bench(cfg: DictConfig) -> None:
                 add(f"hf_assisted_k{k}@1", *hf_assisted(target.model, draft.model, prompts, n_new, k, eos))
     per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
     rates = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
-    pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in cfg.bench.batch_sizes}
+    pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in batch_sizes}
     pairs.update({f"engine_static_k{k}_vs_hf_assisted@1": (f"engine_static_k{k}@1", f"hf_assisted_k{k}@1")
                   for k in cfg.bench.ks if assisted})
     pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks})

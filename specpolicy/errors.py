@@ -1,6 +1,9 @@
 """One exception type for bad input, so entry points can print one line instead of a traceback."""
 
+import logging
 import math
+
+log = logging.getLogger("specpolicy")
 
 
 class SpecPolicyError(Exception):
@@ -41,13 +44,17 @@ def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
     return values
 
 
-def check_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> None:
-    """Batch sizes no larger than the prompts to decode: a batch of 8 over 4 prompts runs 4 rows, and its
-    numbers would be reported as batch 8's."""
-    too_big = [size for size in sizes if size > prompts]
-    if too_big:
-        raise SpecPolicyError(f"{setting} {too_big} exceed the {prompts} prompts to decode (a batch cannot have more "
-                              f"rows than prompts); {fix}, or drop those sizes")
+def fitting_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> list[int]:
+    """The batch sizes that `prompts` prompts can fill, with a warning naming those left out: a batch of 8 over 4
+    prompts runs 4 rows, and its numbers would be reported as batch 8's. None left is an error."""
+    fitting = [size for size in sizes if size <= prompts]
+    if not fitting:
+        raise SpecPolicyError(f"{setting} {list(sizes)} all exceed the {prompts} prompts to decode (a batch cannot "
+                              f"have more rows than prompts); {fix}, or give a batch size <= {prompts}")
+    if len(fitting) < len(sizes):
+        log.warning("%s %s exceed the %d prompts to decode and are left out (%s)", setting,
+                    [size for size in sizes if size > prompts], prompts, fix)
+    return fitting
 
 
 def check_number(setting: str, value, low: float | None = None, high: float | None = None,

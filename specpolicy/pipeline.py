@@ -22,7 +22,7 @@ from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
-from specpolicy.errors import SpecPolicyError, check_batch_sizes, check_count, check_counts, check_int
+from specpolicy.errors import SpecPolicyError, check_count, check_counts, check_int, fitting_batch_sizes
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise
@@ -65,8 +65,8 @@ def evaluate(cfg: DictConfig) -> None:
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
     conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]  # a bad prompts file fails before loading
-    check_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
-                      "raise eval.num_prompts or data.limit (or give data.prompts_file more prompts)")
+    batch_sizes = fitting_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
+                                      "raise eval.num_prompts or data.limit, or give data.prompts_file more prompts")
     target, draft = stages.load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
@@ -79,7 +79,7 @@ def evaluate(cfg: DictConfig) -> None:
                         greedy)
         policies = {name: policy for name, policy in policies.items() if name not in greedy}
     rows, outputs = [], []
-    for bs in cfg.eval.batch_sizes:
+    for bs in batch_sizes:
         log.info("evaluate: batch size %d, %d policies, %d prompts", bs, len(policies), len(prompts))
         # side_by_side warms up at every batch size: when it warmed up only at the first, `ar` (first in the
         # only batch at batch 32) measured 57 tok/s against 72-79 tok/s for policies doing the same work

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 import synthetic
 from compose import CONF, compose_config
 from specpolicy.cost.profile import profile_file
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, fitting_batch_sizes
 from specpolicy.pipeline import evaluate, train
 
 # options with mandatory values (???) get one here; the gpu trainer is only built where there is a GPU
@@ -96,8 +96,8 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("evaluate", "eval.batch_sizes=[1,2.5]", "eval.batch_sizes must be"),
     ("evaluate", "eval.batch_sizes=[]", "eval.batch_sizes must be"),
     ("evaluate", "eval.num_prompts=0", "eval.num_prompts must be"),
-    # 4 prompts (debug=fast): a batch of 8 ran 4 rows and was reported as batch 8
-    ("evaluate", "eval.batch_sizes=[1,8]", "eval.batch_sizes [8] exceed the 4 prompts to decode"),
+    # 4 prompts (debug=fast): a batch of 8 ran 4 rows and was reported as batch 8 (with a size that fits: a warning)
+    ("evaluate", "eval.batch_sizes=[8,16]", "eval.batch_sizes [8, 16] all exceed the 4 prompts to decode"),
     ("train", "profile.rows=[0,1]", "profile.rows must be"),
     ("train", "profile.tokens=[4,2]", "profile.tokens must be a non-empty list of integers >= 1 in increasing order, "
                                       "got [4, 2]"),
@@ -114,6 +114,14 @@ def test_a_bad_count_is_named_before_any_work(task: str, override: str, message:
     with pytest.raises(SpecPolicyError, match="^" + re.escape(message)):
         {"evaluate": evaluate, "train": train}[task](cfg)
     assert not (tmp_path / "tiny").exists()  # nothing distilled, nothing half-written
+
+
+def test_batch_sizes_beyond_the_prompts_are_left_out_by_name(caplog) -> None:
+    """A batch of 8 over 4 prompts would run 4 rows under the name of batch 8: such sizes are dropped, loudly."""
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        assert fitting_batch_sizes("eval.batch_sizes", [1, 4, 8, 16], 4, "raise eval.num_prompts") == [1, 4]
+    assert "eval.batch_sizes [8, 16] exceed the 4 prompts to decode and are left out" in caplog.text
+    assert fitting_batch_sizes("eval.batch_sizes", [1, 2], 4, "raise eval.num_prompts") == [1, 2]
 
 
 def test_a_cpu_profile_belongs_to_its_instruction_set(tmp_path: Path, monkeypatch) -> None:
