@@ -7,12 +7,15 @@ then rename it into place (a rename within one file system is atomic).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger("specpolicy")
 
 
 @contextmanager
@@ -29,3 +32,12 @@ def atomic_path(out: str | Path) -> Iterator[Path]:
         os.replace(tmp / out.name, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def written(stage: str, out: Path, marker: Path | None = None) -> bool:
+    """Whether `stage` wrote `out` already (`marker`: the file it saves last, when not `out` itself). Then the
+    stage is skipped, and the log says how to rerun it: new settings alone do not replace what exists."""
+    if not (marker or out).exists():
+        return False
+    log.info("%s: %s exists, skipping (delete it, or set another experiment_name, to run %s again)", stage, out, stage)
+    return True

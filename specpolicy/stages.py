@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specpolicy.atomic import atomic_path
+from specpolicy.atomic import atomic_path, written
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
@@ -52,8 +52,7 @@ def load_pair(cfg: DictConfig, draft_cfg: DictConfig) -> tuple[LoadedModel, Load
 def profile(cfg: DictConfig) -> None:
     out = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype,
                        cfg.runtime.skinny_gemm)
-    if out.exists():
-        log.info("profile: %s exists, skipping", out)
+    if written("profile", out):
         return
     p = cfg.profile
     rows, tokens = check_profile(cfg)
@@ -107,8 +106,7 @@ def collect(cfg: DictConfig) -> None:
     there it is at its most confident and most often right, and a head trained on that would expect more
     than the draft delivers on new prompts."""
     out = Path(cfg.paths.experiment_dir) / "rollouts"
-    if (out / "dataset_info.json").exists():
-        log.info("collect: %s exists, skipping", out)
+    if written("collect", out, out / "dataset_info.json"):
         return
     check_collect(cfg)
     c = cfg.collect
@@ -147,8 +145,7 @@ def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
 
 def head(cfg: DictConfig) -> None:
     out = Path(cfg.head.out_dir)
-    if (out / "head.pt").exists():
-        log.info("head: %s exists, skipping", out)
+    if written("head", out, out / "head.pt"):
         return
     h = cfg.head
     saved = Path(cfg.paths.experiment_dir) / "rollouts"

@@ -20,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from specpolicy.atomic import written
 from specpolicy.data import encode_prompts
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
@@ -69,8 +70,7 @@ def check_distil(cfg: DictConfig) -> None:
 
 def distil(cfg: DictConfig) -> None:
     out = Path(cfg.paths.experiment_dir) / "draft"
-    if (out / "config.json").exists():
-        log.info("distil: %s exists, skipping (delete it to distil again)", out)
+    if written("distil", out, out / "config.json"):
         return
     check_distil(cfg)  # the pipeline checked already; scripts/bench_distill.py calls this stage directly
     d = cfg.distill
