@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import atomic_path
@@ -75,6 +77,23 @@ def library_refusal(err: BaseException, key: re.Match | None) -> str | None:
     if str(err).startswith("Error locating target"):
         return f"{key.group(1)}: cannot import {target.group(1)} ({why}); fix its _target_"
     return f"{key.group(1)}: {target.group(1)} refused its settings: {type(err.__cause__).__name__}: {why}"
+
+
+def experiment_logger(cfg: DictConfig) -> Logger | None:
+    """The configured Lightning logger (None for `logger=none`), its run started here: wandb told to go online
+    without a key fails now, in one line, not in a traceback after the work it was to log."""
+    if not cfg.get("logger") or not cfg.logger.get("_target_"):
+        return None
+    logger = instantiate(cfg.logger)
+    try:
+        logger.experiment
+    except Exception as err:
+        if not type(err).__module__.startswith("wandb"):
+            raise
+        why = " ".join(str(err).split())
+        raise SpecPolicyError(f"logger: wandb could not start a run ({type(err).__name__}: {why}); run `wandb login` "
+                              f"or set WANDB_API_KEY, or unset WANDB_MODE to log offline") from err
+    return logger
 
 
 def publish(report: dict, out: str | Path) -> None:

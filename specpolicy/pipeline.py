@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpolicy import stages
+from specpolicy.cli import experiment_logger
 from specpolicy.cost.profile import device_name
 from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
@@ -78,6 +79,7 @@ def evaluate(cfg: DictConfig) -> None:
             log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", engine.temperature,
                         greedy)
         policies = {name: policy for name, policy in policies.items() if name not in greedy}
+    logger = experiment_logger(cfg)  # before the decoding it logs: a logger that cannot start fails first
     rows, outputs = [], []
     for bs in batch_sizes:
         log.info("evaluate: batch size %d, %d policies, %d prompts", bs, len(policies), len(prompts))
@@ -93,7 +95,6 @@ def evaluate(cfg: DictConfig) -> None:
             "draft": draft.name, "dtype": cfg.runtime.dtype, "temperature": engine.temperature,
             "max_new_tokens": engine.max_new_tokens, "num_prompts": len(prompts),
             "date": datetime.now().isoformat(timespec="seconds")}
-    logger = instantiate(cfg.logger) if cfg.get("logger") else None
     report = write_report(cfg.eval.out_dir, meta, rows, outputs, logger)
     if logger is not None:
         logger.experiment.finish()

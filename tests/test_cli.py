@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from compose import ROOT, compose_config
 from specpolicy import errors
-from specpolicy.cli import bad_input, entry
+from specpolicy.cli import bad_input, entry, experiment_logger
 from specpolicy.cost.profile import profile_file
 from specpolicy.pipeline import train
 
@@ -189,6 +189,23 @@ def test_engine_benchmark_reports_ratios_within_rounds(tmp_path: Path) -> None:
         low, high = report["ratio_range"][key]
         assert 0 < low <= ratio <= high
     assert report["assisted_settings"]["1"]["assistant_confidence_threshold"] == 0.0
+
+
+def test_wandb_online_without_a_key_fails_before_the_work(tmp_path: Path) -> None:
+    """WANDB_MODE=online with no key ended evaluate in wandb's UsageError traceback after all the decoding; the
+    logger now starts its run before the work, and that refusal is one line naming the fixes. (A subprocess:
+    wandb keeps its mode in process-wide state that would leak into the offline tests.)"""
+    env = {**os.environ, "WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wandb")}
+    env.pop("WANDB_API_KEY", None)
+    env.pop("HYDRA_FULL_ERROR", None)
+    overrides = ["experiment=tiny", "debug=fast", "draft=layers", "logger=wandb", "eval.policies.goodput=null",
+                 "eval.policies.learned=null"]  # no profile or head: the models load, then the logger refuses
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"paths.checkpoints_dir={tmp_path}",
+                           *overrides], capture_output=True, text=True, env=env, timeout=300)
+    assert_clean_error(proc, "wandb could not start a run (UsageError: No API key configured")
+    assert "or unset WANDB_MODE to log offline" in proc.stderr
+    assert "evaluate: batch size" not in proc.stdout + proc.stderr  # nothing decoded first
+    assert experiment_logger(compose_config("evaluate", ["experiment=tiny", "logger=none"], tmp_path)) is None
 
 
 def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:

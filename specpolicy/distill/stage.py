@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import written
+from specpolicy.cli import experiment_logger
 from specpolicy.data import encode_prompts
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
@@ -234,7 +235,7 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
 
 def _trainer(cfg: DictConfig) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
-    logger = instantiate(cfg.logger) if cfg.get("logger") and cfg.logger.get("_target_") else False
+    logger = experiment_logger(cfg) or False
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
     return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
