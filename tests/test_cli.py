@@ -20,9 +20,12 @@ from specpolicy.cost.profile import profile_file
 from specpolicy.pipeline import train
 
 
-def run(script: str, *overrides: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)  # it asks for library errors' tracebacks
+def run(script: str, *overrides: str, tmp_path: Path, env: dict[str, str | None] | None = None
+        ) -> subprocess.CompletedProcess:
+    """`scripts/<script> overrides...` writing under `tmp_path`; `env` sets (or, with None, removes) variables."""
+    # HYDRA_FULL_ERROR asks for library errors' tracebacks
+    changes = {"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "HYDRA_FULL_ERROR": None, **(env or {})}
+    env = {name: value for name, value in {**os.environ, **changes}.items() if value is not None}
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), f"paths.checkpoints_dir={tmp_path}", *overrides],
         capture_output=True, text=True, env=env, timeout=300,
@@ -195,13 +198,11 @@ def test_wandb_online_without_a_key_fails_before_the_work(tmp_path: Path) -> Non
     """WANDB_MODE=online with no key ended evaluate in wandb's UsageError traceback after all the decoding; the
     logger now starts its run before the work, and that refusal is one line naming the fixes. (A subprocess:
     wandb keeps its mode in process-wide state that would leak into the offline tests.)"""
-    env = {**os.environ, "WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wandb")}
-    env.pop("WANDB_API_KEY", None)
-    env.pop("HYDRA_FULL_ERROR", None)
-    overrides = ["experiment=tiny", "debug=fast", "draft=layers", "logger=wandb", "eval.policies.goodput=null",
-                 "eval.policies.learned=null"]  # no profile or head: the models load, then the logger refuses
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"paths.checkpoints_dir={tmp_path}",
-                           *overrides], capture_output=True, text=True, env=env, timeout=300)
+    online = {"WANDB_MODE": "online", "WANDB_API_KEY": None, "HOME": str(tmp_path),  # HOME: no ~/.netrc key
+              "WANDB_CONFIG_DIR": str(tmp_path / "wandb")}
+    proc = run("evaluate.py", "experiment=tiny", "debug=fast", "draft=layers", "logger=wandb",
+               "eval.policies.goodput=null", "eval.policies.learned=null",  # no profile or head: models load first
+               tmp_path=tmp_path, env=online)
     assert_clean_error(proc, "wandb could not start a run (UsageError: No API key configured")
     assert "or unset WANDB_MODE to log offline" in proc.stderr
     assert "evaluate: batch size" not in proc.stdout + proc.stderr  # nothing decoded first
