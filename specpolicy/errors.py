@@ -48,12 +48,12 @@ def fitting_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> list[int
     """The batch sizes that `prompts` prompts can fill, with a warning naming those left out: a batch of 8 over 4
     prompts runs 4 rows, and its numbers would be reported as batch 8's. None left is an error."""
     fitting = [size for size in sizes if size <= prompts]
+    too_big = [size for size in sizes if size > prompts]
     if not fitting:
-        raise SpecPolicyError(f"{setting} {list(sizes)} all exceed the {prompts} prompts to decode (a batch cannot "
+        raise SpecPolicyError(f"{setting} {too_big} all exceed the {prompts} prompts to decode (a batch cannot "
                               f"have more rows than prompts); {fix}, or give a batch size <= {prompts}")
-    if len(fitting) < len(sizes):
-        log.warning("%s %s exceed the %d prompts to decode and are left out (%s)", setting,
-                    [size for size in sizes if size > prompts], prompts, fix)
+    if too_big:
+        log.warning("%s %s exceed the %d prompts to decode and are left out (%s)", setting, too_big, prompts, fix)
     return fitting
 
 
