@@ -220,6 +220,22 @@ def test_baselines_without_engine_keys(tmp_path):
     assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
 
 
+def test_a_run_killed_while_writing_leaves_the_last_report_whole(tmp_path, monkeypatch):
+    """Files were written one by one, so a run stopped while plotting left a new report.json beside the last
+    run's report.md; now all are staged and renamed in together, and a user's other files stay."""
+    write_report(tmp_path, meta(), synthetic_runs(), [])
+    (tmp_path / "notes.txt").write_text("mine")
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+
+    def killed(runs: list[dict]):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(report.PLOTS, "flops", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_report(tmp_path, meta(temperature=0.7), synthetic_runs(), [])
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
 def test_wandb_offline(tmp_path, monkeypatch):
     from lightning.pytorch.loggers import WandbLogger
 

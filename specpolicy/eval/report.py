@@ -1,4 +1,4 @@
-"""The evaluation report: one call writes every artefact of a side-by-side run into one folder, so a
+"""The evaluation report: one call writes every artefact of a side-by-side run into one folder, all at once, so a
 result can be re-plotted (report.json, outputs.jsonl), read in a terminal or on GitHub (report.md), sent
 as one file (report.html, images inlined) and compared across runs (wandb).
 
@@ -15,6 +15,8 @@ import base64
 import html
 import json
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from itertools import zip_longest
 from pathlib import Path
@@ -52,11 +54,16 @@ def write_report(out_dir: str | Path, meta: dict, runs: list[dict], outputs: lis
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check = lossless(meta, runs)
-    write_json(out / "report.json", meta, runs, check)
-    write_outputs(out / "outputs.jsonl", outputs)
-    plots = {name: save_plot(plot(runs), out / f"{name}.png") for name, plot in PLOTS.items()}
-    (out / "report.md").write_text(markdown(meta, runs, check, plots))
-    (out / "report.html").write_text(html_page(meta, runs, check, plots))
+    with tempfile.TemporaryDirectory(dir=out, prefix=".report-") as staging:  # out may hold a user's other files
+        new = Path(staging)
+        write_json(new / "report.json", meta, runs, check)
+        write_outputs(new / "outputs.jsonl", outputs)
+        plots = {name: save_plot(plot(runs), new / f"{name}.png") for name, plot in PLOTS.items()}
+        (new / "report.md").write_text(markdown(meta, runs, check, plots))
+        (new / "report.html").write_text(html_page(meta, runs, check, plots))
+        for path in list(new.iterdir()):  # renamed in at once: a run killed while plotting leaves the last report
+            os.replace(path, out / path.name)
+    plots = {name: out / path.name for name, path in plots.items()}
     if logger is not None:
         log_to_wandb(logger, runs, plots)
     log.info("report written to %s", out / "report.md")
