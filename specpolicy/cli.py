@@ -20,11 +20,14 @@ from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError
 
 log = logging.getLogger("specpolicy")
+INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was left half-written; rerun the same "
+               "command to go on (train.py keeps finished stages, collect shards and distillation checkpoints; "
+               "evaluate.py and the benchmarks start over)")
 
 
 def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     """Run a pipeline task on its config (a Hydra config, or a script's parsed arguments); bad input exits with
-    code 2 and one line naming the problem and the fix."""
+    code 2 and one line naming the problem and the fix, Ctrl-C with 130 and one line on what was kept."""
     os.environ.setdefault("WANDB_MODE", "offline")  # no hub here; a user who sets WANDB_MODE goes online
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -36,6 +39,9 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
             raise
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C is a user's choice, not a failure to show a traceback for
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
 
 
 def check_set(cfg: DictConfig | Any) -> None:

@@ -209,6 +209,16 @@ def test_wandb_online_without_a_key_fails_before_the_work(tmp_path: Path) -> Non
     assert experiment_logger(compose_config("evaluate", ["experiment=tiny", "logger=none"], tmp_path)) is None
 
 
+def test_ctrl_c_is_one_line_on_what_was_kept() -> None:
+    """Ctrl-C ended every script in a KeyboardInterrupt traceback from wherever the loop was; a real SIGINT
+    to a process inside `entry` now exits 130 with one line saying what survives and how to go on."""
+    code = ("import os, signal, time; from specpolicy.cli import entry; "
+            "entry(lambda cfg: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30)), None)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert_clean_error(proc, "interrupted: outputs are saved whole or not at all")
+    assert proc.returncode == 130 and "rerun the same command" in proc.stderr
+
+
 def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:
     """A misspelt `_target_`, a library class refusing its settings or a key our class does not take is one
     line; any other exception but SpecPolicyError from our own classes is a bug, whose traceback entry() shows."""
