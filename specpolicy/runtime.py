@@ -25,8 +25,14 @@ def resolve_device(name: str | torch.device) -> torch.device:
         device = torch.device(name)
     except RuntimeError as err:
         raise SpecPolicyError(f"unknown device {name!r}; use auto, cpu or cuda[:N] (runtime.device=...)") from err
+    if device.type not in ("cpu", "cuda"):  # timings synchronise, and profiles are named, for these two only
+        raise SpecPolicyError(f"device {name!r} is not supported: specpolicy runs on cpu or cuda[:N]; use "
+                              f"runtime.device=cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SpecPolicyError(f"device {name!r} asked for but no CUDA GPU is visible; use runtime.device=cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SpecPolicyError(f"device {name!r} asked for but only {torch.cuda.device_count()} CUDA GPU(s) are "
+                              f"visible; use runtime.device=cuda:0")
     return device
 
 

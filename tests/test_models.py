@@ -73,6 +73,8 @@ def test_bad_dtype_and_device_are_refused_before_loading() -> None:
         PretrainedSource(path="x", dtype="float33").load()
     with pytest.raises(SpecPolicyError, match="unknown device"):
         PretrainedSource(path="x", device="tpu9").load()
+    with pytest.raises(SpecPolicyError, match="device 'mps' is not supported: specpolicy runs on cpu or cuda"):
+        PretrainedSource(path="x", device="mps").load()  # a device torch knows, but the engine cannot time
 
 
 def test_layer_subset_draft(target) -> None:
