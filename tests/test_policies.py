@@ -270,6 +270,23 @@ def test_recording_policy_labels_conditional_acceptance(tiny_model) -> None:
     assert set(records[:, COLUMNS.index("batch_size")].tolist()) == {2.0}
 
 
+def test_a_prompt_keeps_its_group_at_every_batch_size(tiny_model) -> None:
+    """collect decodes the same prompts from the first at each batch size, one recorder per size. Groups once
+    counted decode calls and restarted per size, so a prompt's sequence sat in group 1 at batch 2 and group 2
+    at batch 1, on both sides of the head's validation split; now a group is a prompt, the same in every shard."""
+    engine = Engine(tiny_model().model, tiny_model(seed=1).model, max_new_tokens=10)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+    per_size = {}
+    for bs in (1, 2):
+        recorder = RecordingPolicy(StaticPolicy(k=3))
+        for start in range(0, len(prompts), bs):
+            engine.generate(prompts[start : start + bs], recorder)
+        records = torch.cat(recorder.records)
+        group, label = records[:, COLUMNS.index("group")], records[:, COLUMNS.index("accepted")]
+        per_size[bs] = [(int((group == g).sum()), int(label[group == g].sum())) for g in range(len(prompts))]
+    assert per_size[1] == per_size[2] and all(n > 0 for n, _ in per_size[1])  # greedy: the same sequence at both
+
+
 def test_head_learns_acceptance_from_confidence() -> None:
     """On rollouts where acceptance follows top1, the trained head ranks confident positions higher."""
     g = torch.Generator().manual_seed(0)

@@ -39,7 +39,8 @@ class HeadModule(L.LightningModule):
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Rollout rows split by prompt-batch group (`group`), so validation never sees a training sequence."""
+    """Rollout rows split by prompt (`group`), so validation never sees a sequence the head trained on, at any
+    batch size."""
 
     def __init__(self, features: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, batch_size: int = 1024,
                  val_fraction: float = 0.2, seed: int = 0):

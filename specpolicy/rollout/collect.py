@@ -22,12 +22,15 @@ class RecordingPolicy(DepthPolicy):
         self.inner, self.max_depth, self.greedy_only = inner, inner.max_depth, inner.greedy_only
         self._features: list[torch.Tensor] = []
         self.records: list[torch.Tensor] = []  # [n, F + 3]: features, accepted, batch size, group
-        self.group = 0  # which decode call a record came from (train/val splits keep groups whole)
+        # group: the prompt's index among all this recorder decoded, in order; collect decodes the same prompts
+        # from the first at every batch size, so a prompt (whose greedy sequence is the same at every size) has
+        # one group in every shard, and the head's validation split keeps it whole
+        self._first = self._decoded = 0
 
     def reset(self, batch_size: int) -> None:
         self.inner.reset(batch_size)
         self._batch_size = batch_size
-        self.group += 1
+        self._first, self._decoded = self._decoded, self._decoded + batch_size
 
     def budget(self, state: StepState) -> torch.Tensor:
         self._features = []
@@ -46,7 +49,7 @@ class RecordingPolicy(DepthPolicy):
         reached = (position <= drafted[:, None]) & (position <= accepted[:, None] + 1)  # [A, k]
         label = (position <= accepted[:, None]).float()
         load = torch.full_like(label, float(self._batch_size))
-        group = torch.full_like(label, float(self.group))
+        group = (self._first + state.row_ids).to(label)[:, None].expand_as(label)
         record = torch.cat([features, label[..., None], load[..., None], group[..., None]], -1)
         self.records.append(record[reached].cpu())
 
