@@ -113,7 +113,7 @@ def collect(cfg: DictConfig) -> None:
     c = cfg.collect
     target, draft = load_pair(cfg, cfg.trained_draft)
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
-    conversations = _unseen_by_draft(cfg, instantiate(cfg.data, split="train").load())
+    conversations = _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load())
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
     shards = out.with_name("rollouts_shards")
     for bs in tqdm(list(c.batch_sizes), desc="collect (batch sizes)"):

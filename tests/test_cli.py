@@ -121,6 +121,7 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     """The whole pipeline on tiny models: distil -> profile -> collect -> head, then the report."""
     proc = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reuse distillation prompts" not in proc.stdout + proc.stderr  # data.limit=4 cut collect's prompts once
     exp = tmp_path / "tiny"
     profile = profile_file("profile", "cpu", "float32", skinny_gemm=True)
     for artefact in ("draft/config.json", "draft/metrics.json", profile, "rollouts/dataset_info.json", "head/head.pt"):
