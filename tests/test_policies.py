@@ -81,6 +81,17 @@ def test_speculation_stops_where_the_profile_says_it_cannot_pay() -> None:
     assert depths[0] == 8 and depths[-1] == 0
 
 
+def test_a_step_in_the_curve_does_not_hide_the_deeper_depths_past_it() -> None:
+    """A 3-token forward dearer than a 4-token one (a kernel change, as measured on a CPU): depth 2 pays less
+    than depth 1 even with perfect acceptance, depth 3 more. The cap once stopped at that first dip (1)."""
+    profile = synthetic.profile(per_token_ms=2.0)
+    for row in profile.target_ms:
+        row[2] = row[3] * 1.5  # 3 tokens per row
+    cost = CostModel(profile)
+    assert cost.goodput(1, 2, 3) < cost.goodput(1, 1, 2) < cost.goodput(1, 3, 4)
+    assert cost.max_useful_depth(1, 8) == 8 and cost.max_useful_depth(1, 3) == 3
+
+
 @pytest.mark.parametrize("estimator", ["confidence", "head"])
 def test_mean_depth_falls_with_load_and_reaches_zero(tmp_path: Path, estimator: str) -> None:
     head = HeadEstimator(str(synthetic.head_dir(tmp_path))) if estimator == "head" else None

@@ -76,12 +76,12 @@ class CostModel:
         return rows * expected_tokens / self.step_ms(rows, depth) * 1e3
 
     def max_useful_depth(self, rows: float, limit: int) -> int:
-        """The deepest depth that could still pay with every draft accepted: beyond it, even perfect
-        acceptance loses goodput, so drafting that deep (or at all, if 0) is waste at this load."""
+        """The deepest depth <= limit that could beat not drafting, were every draft accepted: no acceptance
+        makes a deeper one pay, so drafting that deep (or at all, if 0) is waste at this load. Every depth is
+        tried, not only up to the first that pays less than the one before: the curve's steps can make 4
+        tokens cheaper than 3, and then depth 3 pays where depth 2 does not."""
         key = ("cap", rows, limit)
         if key not in self._known:
-            depth = 0
-            while depth < limit and self.goodput(rows, depth + 1, depth + 2) > self.goodput(rows, depth, depth + 1):
-                depth += 1
-            self._known[key] = depth
+            plain = self.goodput(rows, 0, 1)
+            self._known[key] = max((d for d in range(1, limit + 1) if self.goodput(rows, d, d + 1) > plain), default=0)
         return self._known[key]
