@@ -68,7 +68,8 @@ def bench(cfg: DictConfig) -> None:
     pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in batch_sizes}
     pairs.update({f"engine_static_k{k}_vs_hf_assisted@1": (f"engine_static_k{k}@1", f"hf_assisted_k{k}@1")
                   for k in cfg.bench.ks if assisted})
-    pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks})
+    pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks
+                  if 1 in batch_sizes})  # plain decoding at batch 1 runs only when asked for
     ratios, ranges = {}, {}
     for key, (a, b) in pairs.items():
         within = [r[a] / r[b] for r in per_round]
