@@ -297,6 +297,25 @@ def test_fused_draft_proposes_what_it_trains_on(case: Case) -> None:
         assert proposed == int(rows[r][len(case.prompts[r]) + generated - 1]), (r, generated)
 
 
+class Observed(StaticPolicy):
+    """Static k that keeps what each step it observes drafted per row."""
+
+    def reset(self, batch_size: int) -> None:
+        self.drafted: list[torch.Tensor] = []
+
+    def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.drafted.append(drafted.clone())
+
+
+def test_the_prefill_step_of_a_fusing_draft_is_not_observed(case: Case) -> None:
+    """A fusing draft cannot draft before the target has read the prompts, so the engine zeroed the first
+    step's budget after the policy had set it, and the policy then observed nothing drafted: goodput counted
+    a failure for every row, the heuristic a fully accepted step (+2). Now the policy sees no such step."""
+    policy = Observed(k=2)
+    case.run(policy, "fused", list(range(len(case.prompts))), NO_EOS, N)
+    assert bool((policy.drafted[0] > 0).all())
+
+
 class SeenLengths(StaticPolicy):
     """Static k that records what each step tells it: fewest tokens generated, `remaining`, `unread`."""
 

@@ -184,11 +184,13 @@ class Engine:
         state = StepState(rows.row_ids, rows.generated, rows.row_ids.numel(), int(host["length"].sum()),
                           self.max_new_tokens - int(host["generated"].min()), unread)
         remaining = self.max_new_tokens - rows.generated
-        with stats.deciding():
-            budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)  # bonus token always comes
-        # the first step: the target has not read the prompts, and a fusing draft must not read them without features
-        if self.fuse and bool((host["t_len"] + 1 < host["length"]).any()):
-            budget = torch.zeros_like(budget)
+        # the first step: the target has not read the prompts, and a fusing draft must not read them without
+        # features; the step is the target's alone, and the policy neither decides nor observes it
+        decides = not (self.fuse and bool((host["t_len"] + 1 < host["length"]).any()))
+        budget = torch.zeros_like(remaining)
+        if decides:
+            with stats.deciding():  # the bonus token always comes
+                budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)
         depth = int(budget.max())
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
@@ -200,8 +202,9 @@ class Engine:
         n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
-        with stats.deciding():
-            policy.observe(state, n_draft, n_acc)
+        if decides:
+            with stats.deciding():
+                policy.observe(state, n_draft, n_acc)
         new_host = rows.host()
         # drafts past an accepted EOS count as not accepted: the row ended there
         stats.later(stats.record_step, n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())
