@@ -46,9 +46,11 @@ class _DraftingProbe(StaticPolicy):
 
 def drafting_overhead(target: PreTrainedModel, draft: PreTrainedModel, profile: LatencyProfile, steps: int,
                       rounds: int = 3, seed: int = 0) -> list[float]:
-    """Milliseconds per drafting step beyond the profiled forwards, for each of `profile.rows`; `steps`
-    timed steps per run, after `WARM_STEPS`, `rounds` runs of each policy, on random prompts of
-    `profile.context` tokens."""
+    """Milliseconds per drafting step beyond the profiled forwards, for each of `profile.rows`, from `rounds` runs
+    of each policy on random prompts of `profile.context` tokens. Each run makes `steps` + `WARM_STEPS` new
+    tokens and times its steps after the first `WARM_STEPS`: a drafting run keeps up to two tokens a step, so it
+    times between `steps` / 2 and `steps` of them, and its last may not draft (one token left), which their
+    median shrugs off."""
     if rounds < 1:
         raise SpecPolicyError(f"profile.overhead_rounds must be >= 1 (or profile.overhead_steps=0 to skip), "
                               f"got {rounds}")
