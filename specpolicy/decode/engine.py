@@ -8,7 +8,7 @@ One step, for every row in flight:
           features (`models.fusion`) reads the feature the target computed before each committed
           token, and its own last hidden state while it drafts;
           a row with many unseen tokens (a prompt) reads them alone first, so ragged prompts are
-          never padded to the longest one;
+          not padded to the longest one (unless padding them together wastes little: `max_padding`);
   verify  the target reads the tokens it has not seen plus each row's drafts, in one pass;
   accept  per row, the lossless rejection rule (greedy = exact match) keeps a prefix + one token;
   commit  rows advance by what they kept; caches roll back by length, never by copying;
@@ -198,7 +198,7 @@ class Engine:
             drafts = rows.seq.new_zeros(rows.seq.shape[0], 0)
             p = None if self.temperature == 0 else torch.zeros(rows.seq.shape[0], 0, self.vocab, device=self.device)
             n_draft, fed = torch.zeros_like(budget), 0
-        logits = self._verify(rows, host, caches[0], drafts, n_draft, stats)
+        logits = self._verify(rows, host, caches[0], drafts, stats)
         n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
@@ -253,8 +253,8 @@ class Engine:
             p = p.new_zeros(*p.shape[:2], self.vocab).index_copy_(-1, self.draft_ids, p)
         return torch.stack(tokens, 1), p, n_draft, len(tokens) - 1
 
-    def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, n_draft: torch.Tensor,
-                stats: DecodeStats) -> torch.Tensor:
+    def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, stats: DecodeStats
+                ) -> torch.Tensor:
         """Target logits [A, k+1, V] at the last committed token and after each draft token."""
         stats.target_forwards += self._read_alone(self.target, cache, rows, host, "t_len", stats)
         k = drafts.shape[1]

@@ -11,7 +11,7 @@ agrees with the target on 96% of its training positions and 31% of held-out ones
 stops rising after a third of the run. Two options buy more positions per prompt: `samples_per_prompt`
 responses sampled at `temperature`, and `prompt_loss`, which also trains on the prompt's own positions
 (the scoring pass computes the target's distributions there anyway). Measured there, they moved held-out
-agreement by +0.006 and 0.000: the draft is short of prompts, not of positions. 1081 more prompts, written
+agreement by 0.000 and +0.006: the draft is short of prompts, not of positions. 1081 more prompts, written
 by the target itself (`distill.synthetic`), moved it by +0.037 on the validation prompts and +0.053 on
 the test prompts (README, Distillation).
 

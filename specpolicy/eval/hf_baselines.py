@@ -39,8 +39,8 @@ def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens
 
 
 def assisted_settings(k: int) -> dict:
-    """transformers 5.x defaults are 20 draft tokens, a heuristic-ish schedule and a 0.4 confidence
-    cut-off; pin a constant k and no cut-off so the comparison with static k is like for like."""
+    """transformers 5.x defaults are 20 draft tokens, a constant schedule and a 0.4 confidence cut-off; pin
+    k, the schedule and no cut-off so the comparison with static k is like for like."""
     return {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
             "assistant_confidence_threshold": 0.0}
 

@@ -8,7 +8,7 @@ the columns of a tall GEMM, which streams the weight once) took 25, 26, 33 and 4
 ~1.7x faster and a 2-token verify costs about what 1 token does, as on a GPU. A single row is repeated
 once, because a one-column product falls back to the slow matrix-vector path. Other dtypes, devices and
 products of more than `MAX_ROWS` rows keep `F.linear`: this CPU's bfloat16 kernels were already flat
-(29-32 ms for 1-16 tokens) and slower through this path. `scripts/bench_engine.py` measures both ways
+(29-32 ms for 1-16 tokens) and slower through this path. `scripts/bench_skinny.py` measures both ways
 (`runtime.skinny_gemm=false` switches it off).
 """
 

@@ -12,11 +12,11 @@ from specpolicy.policy.head import DepthHead, HeadConfig
 class HeadModule(L.LightningModule):
     """Binary cross-entropy on P(accept position i | accepted 1..i-1); one step function for train/val."""
 
-    def __init__(self, config: HeadConfig, lr: float = 3e-3, weight_decay: float = 0.0):
+    def __init__(self, config: HeadConfig, lr: float = 3e-3):
         super().__init__()
-        self.save_hyperparameters({"config": vars(config), "lr": lr, "weight_decay": weight_decay})
+        self.save_hyperparameters({"config": vars(config), "lr": lr})
         self.head = DepthHead(config)
-        self.lr, self.weight_decay = lr, weight_decay
+        self.lr = lr
 
     def _step(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> torch.Tensor:
         features, label = batch
@@ -35,7 +35,7 @@ class HeadModule(L.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)  # a few hundred weights: no decay
 
 
 class RolloutDataModule(L.LightningDataModule):
