@@ -37,7 +37,7 @@ from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.fusion import fuses_features
-from specpolicy.models.loading import context_length
+from specpolicy.models.loading import context_length, eos_ids
 from specpolicy.models.vocab import subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
@@ -108,8 +108,7 @@ class Engine:
         self.target, self.draft = target, draft
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
         self.solo_above, self.max_padding = solo_above, max_padding
-        eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = eos_ids(target.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
         self.device = target.device
         self.eos = torch.tensor(eos, dtype=torch.long, device=self.device)
         self.context = context_length(target.config)

@@ -31,6 +31,7 @@ from specpolicy.data import PromptSource
 from specpolicy.data.prompts import Conversation
 from specpolicy.distill.data import cache_key, fingerprint, generate_responses
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.loading import eos_ids
 
 log = logging.getLogger(__name__)
 SENTINEL = "<<specpolicy-user-message>>"
@@ -95,8 +96,7 @@ class PromptSynthesis:
         prompts = [tokenizer(prefix + start, add_special_tokens=False)["input_ids"] for start in starts]
         outputs = generate_responses(model, prompts, self.max_tokens, self.batch_size, self.temperature, self.seed,
                                      top_p=self.top_p, desc="sampling synthetic prompts")
-        eos = model.generation_config.eos_token_id
-        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        eos = set(eos_ids(model.generation_config.eos_token_id))
         finished = [(start, tokenizer.decode(out[:-1], skip_special_tokens=True))
                     for start, out in zip(starts, outputs) if out and out[-1] in eos]
         texts = [(start + written).strip() for start, written in finished if written.strip()]

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
+from specpolicy.models.loading import eos_ids
 from specpolicy.runtime import synchronize
 
 
@@ -68,7 +69,7 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
 
 
 def _cut(ids: list[int], eos_id: int | list[int] | None) -> list[int]:
-    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or [])
+    eos = set(eos_ids(eos_id))
     for i, t in enumerate(ids):
         if t in eos:
             return ids[: i + 1]

@@ -53,6 +53,11 @@ def context_length(config: Any) -> int:
     raise SpecPolicyError(f"cannot tell the context length of a {config.model_type} model from its config")
 
 
+def eos_ids(eos_token_id: int | list[int] | None) -> list[int]:
+    """A generation config's `eos_token_id` (one id, several, or none) as a list."""
+    return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
 def _finish(model: PreTrainedModel, dtype: str, device: str, skinny_gemm: bool) -> PreTrainedModel:
     model.to(device=resolve_device(device), dtype=resolve_dtype(dtype))
     model.eval().requires_grad_(False)
