@@ -25,6 +25,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.cli import entry
 from specpolicy.data import encode_prompts
 from specpolicy.decode.engine import check_settings
+from specpolicy.decode.stats import DecodeStats
 from specpolicy.distill.stage import held_out_metrics, saved_pair
 from specpolicy.models import LoadedModel
 from specpolicy.policy import StaticPolicy
@@ -38,17 +39,14 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size
     engine = instantiate(cfg.engine)(target.model, draft.model)
     conversations = instantiate(cfg.data, split="validation", limit=cfg.distill.data.val_prompts).load()
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
-    counts, row_steps = {"drafted_at": 0, "reached_at": 0, "accepted_at": 0}, 0
-    for i in range(0, len(prompts), batch_size):
-        stats = engine.generate(prompts[i : i + batch_size], StaticPolicy(k=depth)).stats
-        counts = {name: n + getattr(stats, name) for name, n in counts.items()}
-        row_steps += stats.row_steps
+    total = DecodeStats.total([engine.generate(prompts[i : i + batch_size], StaticPolicy(k=depth)).stats
+                               for i in range(0, len(prompts), batch_size)])
     return {"depth": depth, "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
-            "mean_accepted": 1 + float(counts["accepted_at"].sum()) / row_steps,  # tau: per row and verify step
-            **{name: n.tolist() for name, n in counts.items()},
+            "mean_accepted": total.mean_accepted,  # tau: per row and verify step
+            **{name: getattr(total, name).tolist() for name in ("drafted_at", "reached_at", "accepted_at")},
             # P(position i accepted | the draft proposed it and the target kept positions 1..i-1)
-            "conditional_at": [round(a / max(r, 1), 4) for a, r in zip(counts["accepted_at"].tolist(),
-                                                                        counts["reached_at"].tolist())]}
+            "conditional_at": [round(a / max(r, 1), 4) for a, r in zip(total.accepted_at.tolist(),
+                                                                        total.reached_at.tolist())]}
 
 
 def report(cfg: DictConfig) -> None:

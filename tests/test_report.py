@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpolicy.decode import Engine
+from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
 from specpolicy.eval.report import write_report
@@ -110,6 +110,22 @@ def test_repeats_time_every_batch_again_and_keep_one_output_per_prompt(tiny_mode
     for name in ("static_k1", "oracle"):
         low, high = rows[name]["speedup_interval"]
         assert low <= rows[name]["speedup"] <= high
+
+
+def test_a_policy_s_batches_add_up_whatever_their_sizes(tiny_model) -> None:
+    """Reports, draft_metrics and the engine's own rates read one `DecodeStats.total`; a smaller last batch has
+    shorter by-load counts, which land at their own row counts."""
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=6)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11], [12]]
+    a, b = (engine.generate(batch, StaticPolicy(k=2)).stats for batch in (prompts[:4], prompts[4:]))
+    total = DecodeStats.total([a, b])
+    for name in ("tokens", "steps", "row_steps", "drafted", "accepted", "target_forwards"):
+        assert getattr(total, name) == getattr(a, name) + getattr(b, name), name
+    assert total.step_s == a.step_s + b.step_s and torch.equal(total.flops, a.flops + b.flops)
+    padded = b.steps_at_load.tolist() + [0] * 3  # batch 1: row counts 0 and 1; batch 4: 0 to 4
+    assert total.steps_at_load.tolist() == [x + y for x, y in zip(a.steps_at_load.tolist(), padded)]
+    assert total.mean_accepted == (a.accepted + b.accepted + a.row_steps + b.row_steps) / (a.row_steps + b.row_steps)
 
 
 def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_model) -> None:

@@ -43,6 +43,19 @@ class DecodeStats:
         self.depth_at_load = torch.zeros(self.batch_size + 1, dtype=torch.long)
         self.steps_at_load = torch.zeros(self.batch_size + 1, dtype=torch.long)
 
+    @classmethod
+    def total(cls, runs: list[DecodeStats]) -> DecodeStats:
+        """The counts of several runs (the batches of one policy) summed, so every rate is computed once, here."""
+        out = cls(max_depth=max(r.max_depth for r in runs), batch_size=max(r.batch_size for r in runs))
+        for r in runs:
+            for name in ("tokens", "wall_s", "target_forwards", "draft_forwards", "steps", "policy_s", "row_steps",
+                         "drafted", "accepted", "ar_flops", "step_s"):
+                setattr(out, name, getattr(out, name) + getattr(r, name))
+            for name in ("drafted_at", "accepted_at", "reached_at", "depth_at_load", "steps_at_load", "flops"):
+                part = getattr(r, name)  # a smaller last batch has shorter by-load counts
+                getattr(out, name)[: len(part)] += part
+        return out
+
     def record_step(self, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         """drafted/accepted [A] draft tokens per row in one verify step (host tensors)."""
         self.steps += 1

@@ -53,22 +53,17 @@ class PolicyRun:
         return [(s.tokens, s.wall_s) for s in self.stats]
 
     def summary(self, ar_tokens_per_s: float | None) -> dict:
-        drafted, accepted = sum(s.drafted for s in self.stats), sum(s.accepted for s in self.stats)
-        row_steps = sum(s.row_steps for s in self.stats)
-        flops = {k: sum(s.flops_dict()[k] for s in self.stats) for k in self.stats[0].flops_dict()}
-        summed = lambda name: [sum(x) for x in zip(*(getattr(s, name).tolist() for s in self.stats))]  # noqa: E731
+        total = DecodeStats.total(self.stats)
+        by_load = zip(total.depth_at_load.tolist(), total.steps_at_load.tolist())
         return {
             **_timing(self.policy, self.batch_size, self.units, ar_tokens_per_s),
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted": (accepted + row_steps) / row_steps, "mean_depth": drafted / row_steps,
-            "target_forwards": sum(s.target_forwards for s in self.stats),
-            "draft_forwards": sum(s.draft_forwards for s in self.stats),
-            "flops": flops, "upper_bound": self.upper_bound, "kind": self.kind,
-            "policy_ms_per_step": 1e3 * sum(s.policy_s for s in self.stats) / max(sum(s.steps for s in self.stats), 1),
-            "drafted_at": summed("drafted_at"), "accepted_at": summed("accepted_at"),
+            "acceptance_rate": total.acceptance_rate, "mean_accepted": total.mean_accepted,
+            "mean_depth": total.mean_depth, "target_forwards": total.target_forwards,
+            "draft_forwards": total.draft_forwards, "flops": total.flops_dict(), "upper_bound": self.upper_bound,
+            "kind": self.kind, "policy_ms_per_step": 1e3 * total.policy_s / max(total.steps, 1),
+            "drafted_at": total.drafted_at.tolist(), "accepted_at": total.accepted_at.tolist(),
             # mean depth by rows in flight: {rows: mean drafted tokens per row-step}
-            "depth_by_load": {r: d / n for r, (d, n) in enumerate(zip(summed("depth_at_load"), summed("steps_at_load")))
-                              if n},
+            "depth_by_load": {r: d / n for r, (d, n) in enumerate(by_load) if n},
         }
 
 
