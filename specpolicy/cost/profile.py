@@ -78,9 +78,9 @@ def device_name(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
-class _Timer:
-    """Times one forward of `t` new tokens per row for `rows` rows over a `context`-token cache (used inside
-    `measure`, which runs in inference mode)."""
+class ForwardTimer:
+    """Times one forward of `t` new tokens per row for `rows` rows over a `context`-token cache, through the
+    engine's own `forward` (a fusing draft reads features too; call it in inference mode)."""
 
     def __init__(self, model: PreTrainedModel, rows: int, context: int, max_tokens: int):
         self.model, self.rows, self.context = model, rows, context
@@ -126,7 +126,7 @@ def time_grid(models: dict[str, PreTrainedModel], rows: list[int], tokens: list[
     cell 6.1 ms against 3.5 ms for 1 x 2; once after a distillation in the same process, the target's 36.4
     against 24.3 ms). Decoding repeats similar shapes, and a 1 x 1 cell is what plain decoding at batch 1
     is priced at, so an inflated one made drafting look cheap there."""
-    timers = {(name, r): _Timer(model, r, context, max(tokens)) for name, model in models.items() for r in rows}
+    timers = {(name, r): ForwardTimer(model, r, context, max(tokens)) for name, model in models.items() for r in rows}
     best = {key: [float("inf")] * len(tokens) for key in timers}
     for _ in tqdm(range(repeats + 1), desc="profile (rounds over the grid)"):
         for key, timer in timers.items():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from specpolicy.cost.flops import FlopModel
 from specpolicy.errors import SpecPolicyError, check_count
 from specpolicy.models.compat import check_compatible
-from specpolicy.models.fusion import attach_fusion, timing_features
+from specpolicy.models.fusion import attach_fusion
 from specpolicy.models.loading import LoadedModel, PretrainedSource
 from specpolicy.models.skinny import SkinnyLinear, use_skinny_gemm
 from specpolicy.models.vocab import load_vocab, use_subset_head
@@ -210,27 +209,13 @@ def describe_cost(target: LoadedModel, draft: LoadedModel, context: int = 256, r
 def _decode_latency_ms(models: list[torch.nn.Module], context: int, repeats: int) -> list[float]:
     """Median time of one token read over `context` cached ones, through the engine's own forward (a draft
     with a vocabulary subset scores only the subset, as it does when drafting)."""
-    from specpolicy.decode.cache import RaggedCache, forward
-    from specpolicy.runtime import synchronize
+    from specpolicy.cost.profile import ForwardTimer  # cost.profile imports the engine's modules
 
-    device = next(models[0].parameters()).device
-    ids = torch.randint(0, models[0].config.vocab_size, (1, context + 1), device=device)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-
-    def read(model: torch.nn.Module, cache: RaggedCache, start: int, end: int) -> None:
-        span = ids[:, start:end]  # a fusing draft also reads (and pays for) features
-        forward(model, cache, span, zero + start, end, zero[:, None], context, features=timing_features(model, span))
-
-    caches = [RaggedCache(1, context + 1) for _ in models]
-    for model, cache in zip(models, caches):
-        read(model, cache, 0, context)
+    timers = [ForwardTimer(model, 1, context, 1) for model in models]
     times = [[] for _ in models]
     for r in range(repeats + 2):  # two warm-up rounds, then interleaved timed rounds
-        for model, cache, out in zip(models, caches, times):
-            synchronize(device)
-            t0 = time.perf_counter()
-            read(model, cache, context, context + 1)  # each round overwrites the same cache slot
-            synchronize(device)
+        for timer, out in zip(timers, times):
+            ms = timer(1)  # each round overwrites the same cache slot
             if r >= 2:
-                out.append(time.perf_counter() - t0)
-    return [1e3 * sorted(t)[len(t) // 2] for t in times]
+                out.append(ms)
+    return [sorted(t)[len(t) // 2] for t in times]
