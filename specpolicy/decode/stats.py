@@ -13,6 +13,12 @@ import torch
 from specpolicy.cost.flops import BUCKETS
 
 
+def reached(drafted: torch.Tensor, accepted: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[A, K]: whether each row drafted each of `positions` (1-based) with every earlier one accepted, i.e. the
+    positions where conditional acceptance, P(accept i | accepted 1..i-1), is measured."""
+    return (drafted[:, None] >= positions) & (accepted[:, None] >= positions - 1)
+
+
 @dataclass
 class DecodeStats:
     max_depth: int
@@ -65,7 +71,7 @@ class DecodeStats:
         positions = torch.arange(1, self.max_depth + 1)
         self.drafted_at += (drafted[:, None] >= positions).sum(0)
         self.accepted_at += (accepted[:, None] >= positions).sum(0)
-        self.reached_at += ((drafted[:, None] >= positions) & (accepted[:, None] >= positions - 1)).sum(0)
+        self.reached_at += reached(drafted, accepted, positions).sum(0)
         self.depth_at_load[drafted.numel()] += drafted.sum()
         self.steps_at_load[drafted.numel()] += drafted.numel()
 

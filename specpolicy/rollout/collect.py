@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from specpolicy.decode.stats import reached
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import FEATURE_NAMES
 
@@ -46,12 +47,12 @@ class RecordingPolicy(DepthPolicy):
             return
         features = torch.stack(self._features, 1)  # [A, k, F]
         position = torch.arange(1, features.shape[1] + 1, device=features.device)
-        reached = (position <= drafted[:, None]) & (position <= accepted[:, None] + 1)  # [A, k]
+        kept = reached(drafted, accepted, position)  # [A, k]
         label = (position <= accepted[:, None]).float()
         load = torch.full_like(label, float(self._batch_size))
         group = (self._first + state.row_ids).to(label)[:, None].expand_as(label)
         record = torch.cat([features, label[..., None], load[..., None], group[..., None]], -1)
-        self.records.append(record[reached].cpu())
+        self.records.append(record[kept].cpu())
 
 
 COLUMNS = (*FEATURE_NAMES, "accepted", "batch_size", "group")
