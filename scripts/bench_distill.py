@@ -1,6 +1,6 @@
 """Benchmark the distil stage on the embedded pair: divergences x draft shapes, same data, one process.
 
-    python scripts/bench_distill.py [--steps 60] [--shapes ...] [--losses ...] [--out DIR] [override ...]
+    python scripts/bench_distill.py [override ...] [--steps 60] [--shapes ...] [--losses ...] [--out DIR]
 
 Each variant is the real `distil` stage on `experiment=smollm2_135m` plus a few Hydra overrides; all
 share one cached dataset (the target's responses to the train prompts, generated once). Validation
@@ -29,6 +29,7 @@ SHAPES = {
                     "draft.num_attention_heads=4", "draft.num_key_value_heads=2"],
 }
 LOSSES = ["forward_kl", "tvd"]
+LOSS_DIR = ROOT / "conf" / "distill" / "loss"  # one YAML per divergence
 COMMON = [  # short runs sized for a shared 2-core CPU; see the README for what longer runs would change
     "experiment=smollm2_135m", "logger=none", "runtime.device=cpu", "callbacks.progress_bar=null",
     "callbacks.lr_monitor=null", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=null",
@@ -43,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--losses", nargs="+", default=LOSSES)
+    parser.add_argument("--losses", nargs="+", default=LOSSES, choices=sorted(p.stem for p in LOSS_DIR.glob("*.yaml")))
     parser.add_argument("--out", default=str(ROOT / "checkpoints" / "bench"))
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant")
     args = parser.parse_args()

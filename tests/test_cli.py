@@ -175,7 +175,10 @@ def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
 
 
 @pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be an integer >= 1, got 0"),
-                                           (["distill.temperature=0"], "distill.temperature must be a number > 0")])
+                                           (["distill.temperature=0"], "distill.temperature must be a number > 0"),
+                                           # an override after --losses was taken for a loss, then a compose error
+                                           (["--losses", "tvd", "distill.temperature=2"],
+                                            "invalid choice: 'distill.temperature=2' (choose from")])
 def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: str, tmp_path: Path) -> None:
     """It calls the distil stage directly, outside the pipeline's script: its errors were tracebacks."""
     assert_clean_error(run("bench_distill.py", *args, "--out", str(tmp_path), tmp_path=tmp_path), message)
