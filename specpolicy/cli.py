@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
@@ -42,6 +43,17 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     except KeyboardInterrupt:  # Ctrl-C is a user's choice, not a failure to show a traceback for
         print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
+
+
+def fit(trainer: Trainer, module: LightningModule, **kwargs: Any) -> None:
+    """`trainer.fit`, whose Ctrl-C comes back as a KeyboardInterrupt: Lightning shuts down gracefully, then
+    calls sys.exit(1), which would skip entry()'s line on what was kept and how to go on."""
+    try:
+        trainer.fit(module, **kwargs)
+    except SystemExit:
+        if trainer.interrupted:
+            raise KeyboardInterrupt from None
+        raise
 
 
 def check_set(cfg: DictConfig | Any) -> None:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path, written
-from specpolicy.cli import experiment_logger
+from specpolicy.cli import experiment_logger, fit
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts
@@ -161,7 +161,7 @@ def head(cfg: DictConfig) -> None:
     prior = float(rollouts["accepted"].float()[first].mean()) if bool(first.any()) else 0.5
     module = HeadModule(HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior), lr=h.lr)
     trainer = instantiate(h.trainer, logger=experiment_logger(cfg) or False)
-    trainer.fit(module, datamodule=data, ckpt_path=h.ckpt_path)
+    fit(trainer, module, datamodule=data, ckpt_path=h.ckpt_path)
     module.head.save(out)
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
 

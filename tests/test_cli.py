@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from omegaconf import OmegaConf
 
 from compose import ROOT, compose_config
 from specpolicy import errors
-from specpolicy.cli import bad_input, entry, experiment_logger
+from specpolicy.cli import bad_input, entry, experiment_logger, fit
 from specpolicy.cost.profile import profile_file
 from specpolicy.pipeline import train
 
@@ -225,6 +226,34 @@ def test_ctrl_c_is_one_line_on_what_was_kept() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert_clean_error(proc, "interrupted: outputs are saved whole or not at all")
     assert proc.returncode == 130 and "rerun the same command" in proc.stderr
+
+
+def test_ctrl_c_inside_a_lightning_loop_comes_back_to_entry() -> None:
+    """Lightning turns Ctrl-C into a graceful shutdown and sys.exit(1), past entry()'s line on what was kept;
+    `cli.fit` hands it back as the KeyboardInterrupt it was (other exits pass through)."""
+    import lightning as L
+    import torch
+
+    class Interrupted(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            raise KeyboardInterrupt
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fit(trainer, Interrupted(), train_dataloaders=[torch.zeros(1)])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT while it shuts down
+    assert trainer.interrupted
 
 
 def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:

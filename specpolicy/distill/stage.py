@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import written
-from specpolicy.cli import experiment_logger
+from specpolicy.cli import experiment_logger, fit
 from specpolicy.data import encode_prompts
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
@@ -92,7 +92,7 @@ def distil(cfg: DictConfig) -> None:
     start = time.perf_counter()
     with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=d.ckpt_path)
+        fit(trainer, module, datamodule=datamodule, ckpt_path=d.ckpt_path)
     train_s = time.perf_counter() - start
     if trainer.interrupted or trainer.global_step < trainer.max_steps:
         raise SpecPolicyError(f"distillation stopped at step {trainer.global_step} of {trainer.max_steps}; "
