@@ -395,3 +395,20 @@ def test_engine_refuses_settings_that_cannot_decode(tiny_model, settings: dict, 
         check_settings({"_target_": "specpolicy.decode.Engine", **settings})
     with pytest.raises(SpecPolicyError, match=re.escape(message)):
         Engine(tiny_model().model, **settings)
+
+
+def test_engine_refuses_what_it_cannot_decode(tiny_model) -> None:
+    """Each of `Engine._check`'s refusals, as one SpecPolicyError (a prompt past the context used to reach the
+    models as an index error)."""
+    target = tiny_model()
+    context = target.model.config.max_position_embeddings
+    plain = Engine(target.model, max_new_tokens=4)
+    with pytest.raises(SpecPolicyError, match="every prompt needs at least one token"):
+        plain.generate([[1, 2], []], ArPolicy())
+    with pytest.raises(SpecPolicyError, match="StaticPolicy drafts up to 2 tokens but no draft model is set"):
+        plain.generate([[1, 2]], StaticPolicy(k=2))
+    with pytest.raises(SpecPolicyError, match="OraclePolicy is defined for greedy decoding only"):
+        Engine(target.model, target.model, max_new_tokens=4, temperature=0.5).generate([[1, 2]], OraclePolicy(k=2))
+    with pytest.raises(SpecPolicyError, match=f"a prompt of {context - 3} tokens \\+ max_new_tokens=4 exceeds"):
+        plain.generate([[1] * (context - 3)], ArPolicy())
+    assert len(plain.generate([[1] * (context - 4)], ArPolicy()).outputs[0]) == 4  # exactly the context fits

@@ -140,3 +140,17 @@ def test_chi_square_p_value_matches_tables() -> None:
     assert math.isclose(chi_square_p(torch.tensor([60, 40]), torch.tensor([0.5, 0.5])), 0.0455003, rel_tol=1e-5)
     counts = torch.tensor([110, 90] * 5)  # chi-square 10 * 100 / 100 = 10.0 on 9 df
     assert math.isclose(chi_square_p(counts, torch.full((10,), 0.1)), 0.3504852, rel_tol=1e-5)
+
+
+def test_the_warped_distribution_is_temperature_then_the_smallest_top_p_set() -> None:
+    """The chi-square test compares the engine with `sampling.probs` itself, so a warping bug would sit on both
+    sides of it; here `probs` meets distributions worked out by hand."""
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]], dtype=torch.float64)
+    assert torch.allclose(sampling.probs(p.log(), 1.0), p)
+    hot = p.sqrt() / p.sqrt().sum(-1, keepdim=True)  # T = 2: p^(1/2), renormalised
+    assert torch.allclose(sampling.probs(p.log(), 2.0), hot)
+    # top-p 0.7: 0.5 alone falls short, 0.5 + 0.3 reaches it, so those two remain, renormalised
+    expected = torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.0, 0.0, 0.375, 0.625]], dtype=torch.float64)
+    assert torch.allclose(sampling.probs(p.log(), 1.0, top_p=0.7), expected)
+    assert torch.allclose(sampling.probs(p.log(), 1.0, top_p=0.4), torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 1.0]],
+                                                                                   dtype=torch.float64))

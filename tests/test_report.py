@@ -153,6 +153,21 @@ def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_mode
         side_by_side(engine, [[3, 4]], policies, 1, baselines={"ar": plain})
 
 
+def test_a_policy_that_writes_another_output_is_caught(tiny_model) -> None:
+    """The losslessness guard itself: an engine policy's output that differs from `ar`'s at prompt 1 is
+    reported as a mismatch there (other tests only see lossless runs, or inject the field by hand)."""
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=4)
+    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9]], {"ar": ArPolicy(), "static_k1": StaticPolicy(k=1)}, 1)
+    wrong = runs["static_k1"].outputs[1]
+    wrong[-1] = (wrong[-1] + 1) % 250
+    rows = {row["policy"]: row for row in summarise(runs)}
+    assert rows["ar"]["first_mismatch"] is None
+    assert rows["static_k1"]["first_mismatch"] == 1 and rows["static_k1"]["ar_match"] == 2 / 3
+    assert report.lossless(meta(), list(rows.values()))["mismatches"] == [
+        {"policy": "static_k1", "batch_size": 1, "first_mismatch": 1}]
+
+
 def read_json(out: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
