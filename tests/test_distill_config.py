@@ -7,6 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from specpolicy.distill import losses
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import RandomInitSource
 from specpolicy.models.draft import FreshDraft, describe_cost
@@ -21,9 +22,15 @@ def _compose(*overrides):
 
 @pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl", "tvd", "jsd"])
 def test_each_loss_config_is_a_divergence(loss):
+    """Each YAML builds its own divergence: zero at p = q, and for p != q exactly the function it names (a
+    config pointing at another divergence, or a loss that is always 0, would pass the first check alone)."""
     fn = instantiate(_compose(f"distill/loss={loss}").distill.loss)
-    q = torch.log_softmax(torch.randn(3, 11), -1)
+    g = torch.Generator().manual_seed(0)
+    p, q = (torch.log_softmax(torch.randn(3, 11, generator=g), -1) for _ in range(2))
     assert fn(q, q).shape == (3,) and fn(q, q).abs().max() < 1e-6
+    assert torch.allclose(fn(p, q), getattr(losses, loss)(p, q)) and bool((fn(p, q) > 0).all())
+    others = {name for name in ("forward_kl", "reverse_kl", "tvd", "jsd") if name != loss}
+    assert not any(torch.allclose(fn(p, q), getattr(losses, other)(p, q)) for other in others)
 
 
 @pytest.mark.parametrize("trainer", ["default", "cpu", "gpu", "ddp"])

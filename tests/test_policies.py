@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator, batch_tokens
 from specpolicy.policy.head import DepthHead, HeadConfig
 from specpolicy.policy.lightning import HeadModule, RolloutDataModule
 from specpolicy.rollout.collect import COLUMNS, RecordingPolicy
-from specpolicy.rollout.features import COLUMN, FEATURE_NAMES
+from specpolicy.rollout.features import COLUMN, FEATURE_NAMES, draft_features
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -102,6 +103,44 @@ def test_a_step_in_the_curve_does_not_hide_the_deeper_depths_past_it() -> None:
     cost = CostModel(profile)
     assert cost.goodput(1, 2, 3) < cost.goodput(1, 1, 2) < cost.goodput(1, 3, 4)
     assert cost.max_useful_depth(1, 8) == 8 and cost.max_useful_depth(1, 3) == 3
+
+
+def test_draft_features_from_known_distributions() -> None:
+    """What the head is trained on and decides from, on distributions worked out by hand."""
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    f = draft_features(probs.log(), torch.tensor([0.8, 1.0]), 2, rows=5, tokens=300)
+    assert torch.allclose(f[:, COLUMN["top1"]], torch.tensor([0.5, 0.25]))
+    entropy = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2))  # the -inf logit adds nothing
+    assert torch.allclose(f[:, COLUMN["entropy"]], torch.tensor([entropy, math.log(4)]))
+    assert torch.allclose(f[:, COLUMN["margin"]], torch.tensor([0.2, 0.0]))
+    assert torch.allclose(f[:, COLUMN["cum_top1"]], torch.tensor([0.4, 0.25]))  # carried product x this top1
+    assert f[:, [COLUMN["position"], COLUMN["rows"], COLUMN["tokens"]]].tolist() == [[2, 5, 300]] * 2
+
+
+class SeesFeatures(StaticPolicy):
+    """Static k that keeps the features of every draft position of every step."""
+
+    reads_features = True
+
+    def reset(self, batch_size: int) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def keep(self, features, tokens, state, position):
+        if position == 1:
+            self.steps.append([])
+        self.steps[-1].append(features.clone())
+        return None
+
+
+def test_the_engine_carries_cum_top1_along_each_draft(tiny_model) -> None:
+    """cum_top1 at position i is the product of the row's top1 at positions 1..i of the same step."""
+    policy = SeesFeatures(k=3)
+    Engine(tiny_model().model, tiny_model(seed=1).model, max_new_tokens=8).generate([[1, 2, 3], [4, 5]], policy)
+    assert policy.steps
+    for step in policy.steps:
+        top1 = torch.stack([f[:, COLUMN["top1"]] for f in step], 1)  # [A, positions]
+        cum = torch.stack([f[:, COLUMN["cum_top1"]] for f in step], 1)
+        assert torch.allclose(cum, top1.cumprod(1))
 
 
 def test_the_baselines_decide_as_their_names_say() -> None:
