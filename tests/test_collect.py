@@ -1,9 +1,12 @@
-"""Rollouts come from prompts the draft was not distilled on, when there are enough of them."""
+"""Collect: rollouts from prompts the draft was not distilled on (when enough are left), resumed shard by
+shard; the head stage starts from their acceptance."""
 
 from __future__ import annotations
 
+import json
 import logging
 
+import pytest
 from omegaconf import OmegaConf
 
 from specpolicy.stages import _unseen_by_draft
@@ -23,3 +26,32 @@ def test_collect_reuses_distillation_prompts_with_a_warning_when_too_few_are_lef
         assert _unseen_by_draft(_cfg(7), list(range(10))) == list(range(10))
         assert _unseen_by_draft(_cfg(None), list(range(10))) == list(range(10))
     assert caplog.text.count("the rollouts reuse distillation prompts") == 2
+
+
+def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_acceptance(tmp_path):
+    """An interrupted collection keeps the shards it finished (a marked bs1 shard survives into the rollouts)
+    and decodes only the missing ones; the head's prior is the rollouts' acceptance at draft position 1."""
+    import datasets
+    import torch
+
+    from compose import compose_config
+    from specpolicy import stages
+    from specpolicy.pipeline import train
+    from specpolicy.rollout.collect import COLUMNS
+
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", "stages=[distil]"], tmp_path)
+    train(cfg)  # collect decodes with the distilled draft
+    marked = torch.zeros(2, len(COLUMNS))
+    marked[:, COLUMNS.index("group")] = 999
+    marked[:, COLUMNS.index("position")] = 1
+    marked[:, COLUMNS.index("accepted")] = torch.tensor([1.0, 0.0])
+    stages._dataset(marked).save_to_disk(str(tmp_path / "tiny" / "rollouts_shards" / "bs1"))
+    stages.collect(cfg)
+    rollouts = datasets.load_from_disk(str(tmp_path / "tiny" / "rollouts")).with_format("torch")[:]
+    assert int((rollouts["group"] == 999).sum()) == 2  # bs1: the shard on disk, not decoded again
+    assert set(rollouts["batch_size"].tolist()) == {0.0, 4.0}  # bs4 decoded now (the marked rows say 0)
+    assert not (tmp_path / "tiny" / "rollouts_shards").exists()
+    stages.head(cfg)
+    first = rollouts["position"] == 1
+    prior = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())["prior"]
+    assert prior == pytest.approx(float(rollouts["accepted"][first].float().mean()))

@@ -127,7 +127,10 @@ def test_draft_vocab_narrows_the_head_and_saves_a_standard_folder(shared):
     assert draft.get_output_embeddings().weight.shape[0] == draft.config.vocab_size
     from hydra.utils import instantiate
 
-    full = instantiate(cfg.draft).build(instantiate(cfg.target).load())  # the same draft with its full head
+    target = instantiate(cfg.target).load()
+    for weights in ("get_input_embeddings", "get_output_embeddings"):  # frozen in training, the full head restored
+        assert torch.equal(getattr(draft, weights)().weight, getattr(target.model, weights)().weight), weights
+    full = instantiate(cfg.draft).build(target)  # the same draft with its full head
     assert m["cost"]["flops_ratio"] < full.cost["flops_ratio"]
 
 
