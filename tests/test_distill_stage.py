@@ -232,3 +232,15 @@ def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):
         distil(_cfg(shared, "fused_draft_data", "draft_fuse_features=true", "distill.data.source=draft"))
     with pytest.raises(SpecPolicyError, match="distill.unroll=1: it trains a feature-fusing draft"):
         distil(_cfg(shared, "unrolled_plain", "distill.unroll=1"))
+
+
+def test_a_draft_identical_to_the_target_agrees_everywhere(shared):
+    """The held-out agreement is the issue's headline figure: a draft made of all the target's layers must
+    agree on every response position (greedy argmax against the cached top-1, over exactly the masked
+    positions), and its loss is near 0; a two-layer draft must not."""
+    distil(_cfg(shared, "same", "draft.layers=[0,1,2,3,4,5]", "trainer.max_steps=1", "trainer.val_check_interval=1"))
+    before = _metrics(shared, "same")["before"]
+    assert before["agreement"] == 1.0 and before["test"]["agreement"] == 1.0
+    assert before["loss"] == pytest.approx(0.0, abs=0.05)  # the cached top-k: a little mass outside it
+    distil(_cfg(shared, "two", "draft.layers=[0,-1]", "trainer.max_steps=1", "trainer.val_check_interval=1"))
+    assert _metrics(shared, "two")["before"]["agreement"] < 1.0
