@@ -186,10 +186,11 @@ class Engine:
         # the first step: the target has not read the prompts, and a fusing draft must not read them without
         # features; the step is the target's alone, and the policy neither decides nor observes it
         decides = not (self.fuse and bool((host["t_len"] + 1 < host["length"]).any()))
-        budget = torch.zeros_like(remaining)
         if decides:
             with stats.deciding():  # the bonus token always comes
                 budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)
+        else:
+            budget = torch.zeros_like(remaining)
         depth = int(budget.max())
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
