@@ -17,7 +17,7 @@ import torch
 from conftest import DEVICE
 from specpolicy.decode import Engine, sampling
 from specpolicy.models.vocab import SubsetHead
-from specpolicy.policy import StaticPolicy
+from specpolicy.policy import ArPolicy, ConfidencePolicy, StaticPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -133,6 +133,15 @@ def test_a_rows_sample_does_not_depend_on_the_other_rows(models) -> None:
         .generate(prompts, StaticPolicy(k=3)).outputs  # noqa: E731
     alone, crowded = run([PROMPT]), run([PROMPT, [4, 0, 1, 1, 2, 3], [2]])
     assert alone[0] == crowded[0]
+
+
+def test_a_policy_that_keeps_no_draft_samples_what_plain_decoding_samples(models) -> None:
+    """Every row stops at x_1, so every step verifies no draft: the bonus token is plain decoding's, same stream."""
+    engine = Engine(*models, max_new_tokens=6, temperature=1.0, seed=3, eos_token_id=[])
+    prompts = [PROMPT, [4, 0], [2]]
+    stopped = engine.generate(prompts, ConfidencePolicy(k=3, threshold=0.999))
+    assert stopped.stats.drafted == 0 and stopped.stats.draft_forwards > 0
+    assert stopped.outputs == engine.generate(prompts, ArPolicy()).outputs
 
 
 def test_chi_square_p_value_matches_tables() -> None:

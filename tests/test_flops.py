@@ -126,6 +126,16 @@ def test_buckets_add_up_to_what_the_forwards_computed(target, drafts, prompts, m
         f"{policy}: buckets {dict(zip(BUCKETS, stats.flops.tolist()))} vs forwards {recorder.flops():.6g}"
 
 
+def test_a_draft_no_row_keeps_is_not_verified(target, drafts, monkeypatch) -> None:
+    """Every step drafts x_1 and stops there: the target reads only the committed token, as in plain decoding."""
+    recorder = ForwardRecorder(monkeypatch)
+    stats = decode(target, drafts["partial"], [[42]], ConfidencePolicy(k=4, threshold=0.999)).stats
+    assert stats.drafted == 0 and stats.draft_forwards > 0
+    assert [w for m, _, w, _ in recorder.calls if m is target.model] == [1] * N
+    useful, rejected, padding = stats.flops.tolist()
+    assert rejected == 0 and padding == 0
+
+
 def test_identical_draft_rejects_nothing_under_greedy(target, drafts, prompts) -> None:
     stats = decode(target, drafts["same"], prompts, StaticPolicy(k=3)).stats
     useful, rejected, padding = stats.flops.tolist()

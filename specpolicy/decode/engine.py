@@ -197,7 +197,7 @@ class Engine:
         else:  # nobody drafts: the draft catches up later, in one chunk
             drafts = rows.seq.new_zeros(rows.seq.shape[0], 0)
             p = None if self.temperature == 0 else torch.zeros(rows.seq.shape[0], 0, self.vocab, device=self.device)
-            n_draft, fed = torch.zeros_like(budget), 0
+            n_draft, fed = torch.zeros_like(budget), None
         logits = self._verify(rows, host, caches[0], drafts, stats)
         n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
                                        self.top_p)
@@ -213,8 +213,8 @@ class Engine:
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
                state: StepState, depth: int, stats: DecodeStats):
-        """Propose up to `depth` tokens per row; returns drafts [A, k], p [A, k, V] (None when greedy),
-        n_draft [A], feeds."""
+        """Propose up to `depth` tokens per row; returns drafts [A, k] (k: the most any row keeps; a token no row
+        keeps goes no further), p [A, k, V] (None when greedy), n_draft [A], and how many drafts the draft read."""
         stats.draft_forwards += self._read_alone(self.draft, cache, rows, host, "d_len", stats)
         unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
         width = int((host["length"] - host["d_len"]).max())
@@ -239,19 +239,25 @@ class Engine:
             drafting &= budget >= i
             if decides is not None:
                 drafting &= decides
+                if not bool(drafting.any()):
+                    break  # no row keeps x_i: the target does not verify it
             n_draft += drafting
             tokens.append(x_i)
             dists.append(p_i)
-            if i == depth or (decides is not None and not bool(drafting.any())):
+            if i == depth:
                 break
             logits, own = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
                                      host["length"].max() + i - 1, token=x_i, feat=own)
             logits = logits[:, 0]
             stats.draft_forwards += 1
-        p = torch.stack(dists, 1) if self.temperature > 0 else None
-        if p is not None and self.draft_ids is not None:  # the rejection rule compares it with the target's
+        fed = i - 1  # the draft read x_1..x_{i-1} (x_i, last proposed, is read next step if kept)
+        drafts = torch.stack(tokens, 1) if tokens else rows.seq.new_zeros(len(budget), 0)
+        if self.temperature == 0:
+            return drafts, None, n_draft, fed
+        p = torch.stack(dists, 1) if dists else logits.new_zeros(len(budget), 0, logits.shape[-1])
+        if self.draft_ids is not None:  # the rejection rule compares it with the target's
             p = p.new_zeros(*p.shape[:2], self.vocab).index_copy_(-1, self.draft_ids, p)
-        return torch.stack(tokens, 1), p, n_draft, len(tokens) - 1
+        return drafts, p, n_draft, fed
 
     def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, stats: DecodeStats
                 ) -> torch.Tensor:
@@ -327,7 +333,7 @@ class Engine:
         feat.scatter_(1, index[:, :, None].expand(-1, -1, feat.shape[2]), hidden.to(feat.dtype))
 
     def _commit(self, rows: Rows, drafts: torch.Tensor, n_acc: torch.Tensor, token: torch.Tensor,
-                n_draft: torch.Tensor, fed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                n_draft: torch.Tensor, fed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Append each row's kept drafts + its next token, cut at EOS; roll caches back to what was kept."""
         k = drafts.shape[1]
         new = torch.cat([drafts, token[:, None]], 1).scatter_(1, n_acc[:, None], token[:, None])  # [A, k+1]
@@ -336,8 +342,9 @@ class Engine:
         hit = eos.any(1)
         n_new = torch.where(hit, eos.long().argmax(1) + 1, n_acc + 1)  # [A] tokens committed
         rows.seq.scatter_(1, (rows.length[:, None] + j).clamp(max=rows.seq.shape[1] - 1), new)
-        if k:  # the draft read every unseen committed token, then x_1..x_fed: those the target kept stay valid,
-            # unless the draft fuses features: it read them with its own, and rereads them with the target's
+        if fed is not None:  # the draft read every unseen committed token, then x_1..x_fed: those the target
+            # kept stay valid, unless the draft fuses features: it read them with its own, and rereads them with
+            # the target's
             rows.d_len = rows.length + (0 if self.fuse else n_acc.clamp(max=fed).minimum(n_draft))
         rows.t_len = rows.length + n_acc
         rows.length = rows.length + n_new
@@ -345,10 +352,11 @@ class Engine:
         return hit | (rows.generated >= self.max_new_tokens), n_new
 
     def _account(self, stats: DecodeStats, old: dict, drafted_kept: tuple[torch.Tensor, torch.Tensor], depth: int,
-                 fed: int) -> None:
+                 fed: int | None) -> None:
         """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters.
 
-        `kept` counts the drafts whose slots produced a committed token (a read of EOS produces none)."""
+        `depth` draft tokens per row went to the target; `kept` counts the drafts whose slots produced a
+        committed token (a read of EOS produces none); `fed` is None when the draft did not run."""
         n_draft, kept = drafted_kept
         length = old["length"]
         t_unseen = length - old["t_len"]
@@ -356,7 +364,7 @@ class Engine:
         stats.flops += self.t_flops.buckets(old["t_len"], t_width, int(old["t_len"].max()) + t_width,
                                             t_unseen + kept, t_unseen + n_draft)
         stats.ar_flops += float(self.t_flops.prefix(old["t_len"], t_unseen + kept).sum())
-        if not depth:
+        if fed is None:
             return
         d_unseen = length - old["d_len"]
         d_width = int(d_unseen.max())
