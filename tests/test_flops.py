@@ -136,6 +136,23 @@ def test_a_draft_no_row_keeps_is_not_verified(target, drafts, monkeypatch) -> No
     assert rejected == 0 and padding == 0
 
 
+class OnlyTheShallowRowGoesOn(StaticPolicy):
+    """Row 0 may draft 3 tokens but stops at x_1; row 1 keeps x_1 but may draft only that one."""
+
+    def budget(self, state):
+        return torch.where(state.row_ids == 0, 3, 1)
+
+    def keep(self, features, tokens, state, position):
+        return state.row_ids != 0
+
+
+def test_the_draft_does_not_read_a_token_no_row_drafts_past(target, drafts) -> None:
+    """Once no row that keeps x_i may draft x_{i+1}, the draft stops: at most one draft forward per step (its
+    catch-up, which proposes x_1; none on a row's last token), not a second one that reads x_1 for nobody."""
+    stats = decode(target, drafts["partial"], [[5, 6, 7], [8, 9]], OnlyTheShallowRowGoesOn(k=3)).stats
+    assert stats.drafted > 0 and stats.draft_forwards <= stats.target_forwards
+
+
 def test_identical_draft_rejects_nothing_under_greedy(target, drafts, prompts) -> None:
     stats = decode(target, drafts["same"], prompts, StaticPolicy(k=3)).stats
     useful, rejected, padding = stats.flops.tolist()

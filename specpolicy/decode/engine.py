@@ -231,10 +231,10 @@ class Engine:
             if self.draft_ids is not None:
                 x_i = self.draft_ids[x_i]
             features = None
-            if policy.reads_features:  # softmax statistics over the vocabulary: ~5x an argmax, so only on demand
-                features = draft_features(logits, cum, i, state.rows, state.tokens)
-                cum = features[:, COLUMN["cum_top1"]]
-            with stats.deciding():
+            with stats.deciding():  # the features are the policy's cost: decoding itself needs none
+                if policy.reads_features:  # softmax statistics over the vocabulary: ~5x an argmax, so on demand
+                    features = draft_features(logits, cum, i, state.rows, state.tokens)
+                    cum = features[:, COLUMN["cum_top1"]]
                 decides = policy.keep(features, x_i, state, i)
             drafting &= budget >= i
             if decides is not None:
@@ -244,8 +244,8 @@ class Engine:
             n_draft += drafting
             tokens.append(x_i)
             dists.append(p_i)
-            if i == depth:
-                break
+            if i == depth or (decides is not None and not bool((drafting & (budget > i)).any())):
+                break  # no row drafts x_{i+1}: the draft need not read x_i
             logits, own = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
                                      host["length"].max() + i - 1, token=x_i, feat=own)
             logits = logits[:, 0]
