@@ -41,6 +41,7 @@ def engine_row(policy: str, b: int, k: int, accept: float, tps: float, ar_tps: f
     depth = k if depth is None else depth
     drafted = [100 * b] * k
     accepted = [round(100 * b * accept ** (i + 1)) for i in range(k)]
+    reached = [round(100 * b * accept**i) for i in range(k)]  # drafted, with every earlier draft accepted
     tau = 1 + sum(accepted) / (100 * b)
     ar_flops = 1e9 * b
     flops = {"useful": ar_flops * (1 + 0.1 * k), "rejected": ar_flops * 0.15 * (k - sum(accepted) / (100 * b)),
@@ -49,7 +50,7 @@ def engine_row(policy: str, b: int, k: int, accept: float, tps: float, ar_tps: f
             "speedup": tps / ar_tps, "acceptance_rate": sum(accepted) / max(sum(drafted), 1), "mean_accepted": tau,
             "mean_depth": float(depth), "target_forwards": round(64 / tau), "draft_forwards": round(64 / tau) * k,
             "flops": {**flops, "total": sum(flops.values()), "ar_equivalent": ar_flops},
-            "drafted_at": drafted, "accepted_at": accepted,
+            "drafted_at": drafted, "accepted_at": accepted, "reached_at": reached,
             "depth_by_load": {r: depth * (1 - 0.1 * (r - 1)) for r in range(1, b + 1)}, "first_mismatch": None,
             "upper_bound": policy == "oracle"}
 
@@ -240,6 +241,23 @@ def test_load_aware_policies_are_compared_with_the_best_static_depth():
     assert "learned vs best static (static_k1): 1.10x tok/s (95% interval 1.10-1.10x), " in line
 
 
+def plotted(fig) -> dict[str, list[float]]:
+    return {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}
+
+
+def test_depth_plot_shows_a_policy_at_the_load_where_it_stops_drafting():
+    """`learned` drafts at batch 1 and not at batch 4: its batch-4 run, all zeros, is the line drawn."""
+    runs = [engine_row("ar", 1, 0, 0.0, 50.0, 50.0), engine_row("learned", 1, 1, 0.5, 55.0, 50.0),
+            engine_row("ar", 4, 0, 0.0, 180.0, 180.0), engine_row("learned", 4, 0, 0.0, 181.0, 180.0)]
+    assert plotted(report.plot_depth_vs_load(runs)) == {"learned (batch 4)": [0.0] * 4}  # ar never drafts
+
+
+def test_acceptance_plot_is_per_position_given_the_earlier_drafts_were_kept():
+    """Geometric acceptance 0.7: each position keeps 70% of the drafts that reach it (survival would fall)."""
+    lines = plotted(report.plot_acceptance([engine_row("static_k4", 4, 4, 0.7, 90.0, 100.0)]))
+    assert lines["static_k4"] == pytest.approx([0.7] * 4, abs=0.005)
+
+
 def test_baselines_without_engine_keys(tmp_path):
     runs = synthetic_runs()
     runs[1]["speedup_interval"] = [1.41, 1.62]
@@ -247,7 +265,8 @@ def test_baselines_without_engine_keys(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| hf_assisted | 70.0 | 1.40x | – | – | – | – | – | – |" in md
     assert "| static_k2 | 75.0 | 1.50x | 1.41-1.62x |" in md and "95% interval: a paired bootstrap" in md
-    assert "- batch 4: confidence (231.9 tok/s, 1.29x vs ar); oracle (upper bound) 1.82x" in md  # not baselines
+    bound = "oracle (upper bound on acceptance, not on speed) 1.82x"
+    assert f"- batch 4: confidence (231.9 tok/s, 1.29x vs ar); {bound}" in md  # not baselines
     assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
 
 

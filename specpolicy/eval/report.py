@@ -146,7 +146,8 @@ def best(runs: list[dict], batch_size: int) -> str:
         return f"batch {batch_size}: no engine policy ran"
     top = max(candidates, key=lambda r: r["tokens_per_s"])
     speedup = lambda r: cell(r.get("speedup"), "{:.2f}x")  # noqa: E731
-    bounds = "".join(f"; {r['policy']} (upper bound) {speedup(r)}" for r in rows if r.get("upper_bound"))
+    bounds = "".join(f"; {r['policy']} (upper bound on acceptance, not on speed) {speedup(r)}"
+                     for r in rows if r.get("upper_bound"))
     sure = interval_text(top.get("speedup_interval"), ", {}")
     line = f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar{sure}){bounds}"
     return line + against_best_static(rows)
@@ -251,9 +252,13 @@ def plot_speedup(runs: list[dict]) -> Figure:
 
 def plot_depth_vs_load(runs: list[dict]) -> Figure:
     """Each policy's largest batch is drawn: only it sweeps every load from full down to one row as rows finish
-    (depth_by_load holds means without counts, so runs at different batch sizes cannot be pooled exactly)."""
+    (depth_by_load holds means without counts, so runs at different batch sizes cannot be pooled exactly).
+    A policy that drafted at some batch size is drawn even where it drafted nothing: depth 0 at high load is the
+    point. Static depths dip at the lowest loads too: a row drafts at most its tokens left minus one."""
     fig, ax = axes("Mean draft depth vs load (largest batch per policy)", "rows in flight", "mean draft depth")
-    for policy, rows in by_policy(runs, lambda r: drafts(r) and bool(r.get("depth_by_load"))).items():
+    ax.set_prop_cycle(color=colormaps["tab20"].colors)
+    groups = by_policy(runs, lambda r: bool(r.get("depth_by_load")))
+    for policy, rows in ((p, rows) for p, rows in groups.items() if any(map(drafts, rows))):
         load = sorted((int(k), v) for k, v in rows[-1]["depth_by_load"].items())  # json turns int keys into str
         ax.plot(*zip(*load), marker="o", label=f"{policy} (batch {rows[-1]['batch_size']})")
     ax.set_ylim(bottom=0)
@@ -292,13 +297,15 @@ def plot_flops(runs: list[dict]) -> Figure:
 
 
 def plot_acceptance(runs: list[dict]) -> Figure:
-    """Counts are summed over batch sizes before dividing, so each position's rate is a ratio of totals."""
-    fig, ax = axes("Acceptance rate by draft position (all batch sizes)", "draft position",
-                   "accepted / drafted at position")
-    for policy, rows in by_policy(runs, drafts).items():
-        drafted = [sum(c) for c in zip_longest(*(r["drafted_at"] for r in rows), fillvalue=0)]
+    """Position i's rate is P(x_i accepted | x_i drafted and x_1..x_{i-1} accepted), the per-token acceptance a
+    depth policy trades on. Counts are summed over batch sizes before dividing: a ratio of totals."""
+    fig, ax = axes("Acceptance by draft position, given the earlier drafts were accepted (all batch sizes)",
+                   "draft position", "accepted / reached at position")
+    ax.set_prop_cycle(color=colormaps["tab20"].colors)
+    for policy, rows in by_policy(runs, lambda r: drafts(r) and "reached_at" in r).items():
+        reached = [sum(c) for c in zip_longest(*(r["reached_at"] for r in rows), fillvalue=0)]
         accepted = [sum(c) for c in zip_longest(*(r["accepted_at"] for r in rows), fillvalue=0)]
-        points = [(i + 1, a / d) for i, (d, a) in enumerate(zip(drafted, accepted)) if d]
+        points = [(i + 1, a / n) for i, (n, a) in enumerate(zip(reached, accepted)) if n]
         ax.plot(*zip(*points), marker="o", label=policy)
     ax.set_ylim(0, 1.05)
     ax.xaxis.get_major_locator().set_params(integer=True)

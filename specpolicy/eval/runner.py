@@ -62,6 +62,7 @@ class PolicyRun:
             "draft_forwards": total.draft_forwards, "flops": total.flops_dict(), "upper_bound": self.upper_bound,
             "kind": self.kind, "policy_ms_per_step": 1e3 * total.policy_s / max(total.steps, 1),
             "drafted_at": total.drafted_at.tolist(), "accepted_at": total.accepted_at.tolist(),
+            "reached_at": total.reached_at.tolist(),
             # mean depth by rows in flight: {rows: mean drafted tokens per row-step}
             "depth_by_load": {r: d / n for r, (d, n) in enumerate(by_load) if n},
         }

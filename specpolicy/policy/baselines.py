@@ -120,10 +120,11 @@ class EntropyPolicy(ThresholdPolicy):
 
 @dataclass
 class OraclePolicy(DepthPolicy):
-    """Hindsight upper bound for greedy decoding, not a method.
+    """Hindsight upper bound on acceptance for greedy decoding, not a method.
 
     Knows the target's greedy continuation of every row (from a prior plain run, `set_reference`)
-    and drafts while the draft's token matches it, up to k: nothing it sends is rejected.
+    and drafts while the draft's token matches it, up to k: nothing it sends is rejected. It is no bound
+    on speed: it drafts every token the target would keep, at any load, even where verifying it costs more.
     """
 
     k: int = 8
