@@ -54,6 +54,7 @@ def test_per_token_matches_a_hand_count(tiny_model, model_type: str, tied: bool)
     matmul = layers * (attention + mlp) + vocab * d  # + LM head, counted once even when tied to the embedding
     flops = FlopModel.from_model(model)
     assert (flops.matmul_params, flops.n_layer, flops.d_attn) == (matmul, layers, heads * head_dim)
+    assert flops.head_params == vocab * d and flops.head == 2 * vocab * d
     for ctx in (1, 17, 300):
         assert flops.per_token(ctx) == 2 * matmul + 4 * layers * heads * head_dim * ctx
 
@@ -72,7 +73,8 @@ def test_sliding_window_layers_read_at_most_their_window(tiny_model, family: str
     for ctx in (1, 6, 7, 300):
         attention = per_key * ((4 - sliding) * ctx + sliding * min(ctx, 6))
         assert flops.per_token(ctx) == 2 * flops.matmul_params + attention
-    assert flops.slot(300) == 2 * flops.matmul_params + per_key * 4 * 300  # the engine scores masked keys too
+    body = flops.matmul_params - flops.head_params  # a slot's LM head is charged only where it runs
+    assert flops.slot(300) == 2 * body + per_key * 4 * 300  # the engine scores masked keys too
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
@@ -80,29 +82,32 @@ def test_prefix_is_a_sum_of_per_token_costs(tiny_model, family: str) -> None:
     flops = FlopModel.from_model(tiny_model(family, **SLIDING.get(family, {})).model)
     starts, n = torch.tensor([0, 5, 11, 2, 0]), torch.tensor([4, 0, 7, 9, 1])  # some cross the window
     expected = [sum(flops.per_token(s + i + 1) for i in range(k)) for s, k in zip(starts.tolist(), n.tolist())]
-    assert flops.prefix(starts, n).tolist() == pytest.approx(expected, rel=1e-12)
+    assert flops.prefix(starts, n, n).tolist() == pytest.approx(expected, rel=1e-12)  # every token scored
+    unscored = [e - k * flops.head for e, k in zip(expected, n.tolist())]
+    assert flops.prefix(starts, n).tolist() == pytest.approx(unscored, rel=1e-12)
 
 
 # ---------------------------------------------------------------- the engine's buckets
 
 
 class ForwardRecorder:
-    """Wraps the engine's forward to record (model, rows, width, keys) of every forward it really runs."""
+    """Wraps the engine's forward to record (model, rows, width, keys, logit rows) of every forward it really runs."""
 
     def __init__(self, monkeypatch):
         self.calls = []
         real = engine_module.forward
 
         def recorded(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs):
-            self.calls.append((model, tokens.shape[0], tokens.shape[1], kv_len))
+            self.calls.append((model, tokens.shape[0], tokens.shape[1], kv_len, keep.shape[1]))
             return real(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs)
 
         monkeypatch.setattr(engine_module, "forward", recorded)
 
     def flops(self) -> float:
-        """Every slot of every forward attends to all kv_len keys in every layer (masked or not)."""
+        """Every slot of every forward attends to all kv_len keys in every layer (masked or not); the LM head
+        scores the `keep` positions only."""
         models = {id(m): FlopModel.from_model(m) for m, *_ in self.calls}
-        return sum(b * w * models[id(m)].slot(kv) for m, b, w, kv in self.calls)
+        return sum(b * (w * models[id(m)].slot(kv) + k * models[id(m)].head) for m, b, w, kv, k in self.calls)
 
 
 POLICIES = {
@@ -131,7 +136,7 @@ def test_a_draft_no_row_keeps_is_not_verified(target, drafts, monkeypatch) -> No
     recorder = ForwardRecorder(monkeypatch)
     stats = decode(target, drafts["partial"], [[42]], ConfidencePolicy(k=4, threshold=0.999)).stats
     assert stats.drafted == 0 and stats.draft_forwards > 0
-    assert [w for m, _, w, _ in recorder.calls if m is target.model] == [1] * N
+    assert [w for m, _, w, *_ in recorder.calls if m is target.model] == [1] * N
     useful, rejected, padding = stats.flops.tolist()
     assert rejected == 0 and padding == 0
 
@@ -186,9 +191,15 @@ def test_plain_decoding_pads_only_the_causal_half_of_the_prefill(target, prompts
     assert padding == pytest.approx(4 * flops.n_layer * flops.d_attn * P * (P - 1) / 2, rel=1e-12)
 
 
+def plain_decoding(flops: FlopModel, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """Plain decoding reads the prompt (token j attends to j + 1 keys), then every new token but the last, and
+    scores with the LM head the prompt's last token and each new one it reads."""
+    return sum(flops.per_token(ctx) - (flops.head if ctx < len(prompt) else 0)
+               for prompt, out in zip(prompts, outputs) for ctx in range(1, len(prompt) + len(out)))
+
+
 @pytest.mark.parametrize("policy", ["ar", "static3", "heuristic", "oracle"])
 def test_ar_equivalent_counts_plain_decodings_tokens(target, drafts, prompts, policy) -> None:
-    """Plain decoding reads the prompt (token j attends to j + 1 keys), then every new token but the last."""
     ar = decode(target, None, prompts, ArPolicy())
     eos = ar.outputs[0][3]  # stops some rows early
     ar = decode(target, None, prompts, ArPolicy(), eos=[eos])
@@ -199,12 +210,7 @@ def test_ar_equivalent_counts_plain_decodings_tokens(target, drafts, prompts, po
         chosen = POLICIES[policy]()
     result = decode(target, drafts["partial"], prompts, chosen, eos=[eos])
     assert result.outputs == ar.outputs
-    flops = FlopModel.from_model(target.model)
-    expected = sum(
-        flops.per_token(ctx)
-        for prompt, out in zip(prompts, result.outputs)
-        for ctx in range(1, len(prompt) + len(out))  # positions 0 .. P + G - 2 attend to 1 .. P + G - 1 keys
-    )
+    expected = plain_decoding(FlopModel.from_model(target.model), prompts, result.outputs)
     assert any(len(out) < N for out in result.outputs)
     assert result.stats.ar_flops == pytest.approx(expected, rel=1e-12)
     assert result.stats.flops_dict()["ar_equivalent"] == result.stats.ar_flops
@@ -223,9 +229,8 @@ def test_sliding_window_models_are_charged_what_they_compute_and_read(tiny_model
     assert result.outputs == ar.outputs
     assert result.stats.flops_dict()["total"] == pytest.approx(recorder.flops(), rel=1e-9)
     flops = FlopModel.from_model(target.model)
-    expected = sum(flops.per_token(ctx) for prompt, out in zip(prompts, ar.outputs)
-                   for ctx in range(1, len(prompt) + len(out)))
+    expected = plain_decoding(flops, prompts, ar.outputs)
     assert result.stats.ar_flops == pytest.approx(expected, rel=1e-12)
     assert ar.stats.ar_flops == pytest.approx(expected, rel=1e-12)
-    assert expected < sum(FlopModel(flops.matmul_params, flops.n_layer, flops.d_attn).per_token(ctx)
-                          for prompt, out in zip(prompts, ar.outputs) for ctx in range(1, len(prompt) + len(out)))
+    full_attention = FlopModel(flops.matmul_params, flops.n_layer, flops.d_attn, head_params=flops.head_params)
+    assert expected < plain_decoding(full_attention, prompts, ar.outputs)

@@ -14,7 +14,10 @@ layer (Mistral, some of Qwen2's or Gemma's) reads only its last `window` keys: m
 
 The engine computes attention over the whole cache buffer up to the longest row, in every layer, with
 a mask. The keys a token may see (its prefix, or its window of it) are charged to that token's bucket;
-the masked keys it computes against anyway are charged to `padding`.
+the masked keys it computes against anyway are charged to `padding`. The LM head runs only where logits are
+needed (a prompt's last token, each verified draft, each draft position), as in plain decoding, so it is
+charged per logit row, not per token read: SmolLM2-135M's 49152 x 576 head is a fifth of its weights, and
+charging it for every prompt token overstated a 100-token prefill by a quarter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from specpolicy.models.attention import sliding_layers
+from specpolicy.models.fusion import unwrap
 
 BUCKETS = ("useful", "rejected", "padding")
 
@@ -37,15 +41,23 @@ class FlopModel:
     d_attn: int
     sliding_layers: int = 0  # of the n_layer, those that read only their last `window` keys
     window: int = 0
+    head_params: int = 0  # of the matmul_params, the LM head's (a subset head's, for a draft that has one)
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> FlopModel:
         """Matmul weights counted from the modules (exact for any family: GQA, gated MLPs, tied heads)."""
-        matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+        matmuls = lambda module: sum(m.weight.numel() for m in module.modules()  # noqa: E731
+                                     if isinstance(m, (torch.nn.Linear, Conv1D)))
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         sliding, window = sliding_layers(cfg)
-        return cls(matmul, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, sliding, window or 0)
+        return cls(matmuls(model), cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, sliding, window or 0,
+                   matmuls(unwrap(model).get_output_embeddings()))
+
+    @property
+    def head(self) -> float:
+        """FLOPs of one row of logits."""
+        return 2.0 * self.head_params
 
     def per_token(self, ctx: float | torch.Tensor) -> float | torch.Tensor:
         """FLOPs to process one token that attends to `ctx` keys (its prefix), as the model itself runs it."""
@@ -54,28 +66,35 @@ class FlopModel:
         return 2 * self.matmul_params + 4 * self.d_attn * keys
 
     def slot(self, kv_len: int) -> float:
-        """FLOPs of one slot of an engine forward over `kv_len` keys: every layer scores every key, masked or not."""
-        return 2.0 * self.matmul_params + 4.0 * self.n_layer * self.d_attn * kv_len
+        """FLOPs of one slot of an engine forward over `kv_len` keys, before the LM head: every layer scores
+        every key, masked or not."""
+        return 2.0 * (self.matmul_params - self.head_params) + 4.0 * self.n_layer * self.d_attn * kv_len
 
-    def prefix(self, starts: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """FLOPs per row of reading n[b] tokens from position starts[b], each attending to its prefix only:
-        sum over i < n of C(starts + i + 1). This is also what plain decoding pays for the same tokens."""
+    def prefix(self, starts: torch.Tensor, n: torch.Tensor, heads: torch.Tensor | int = 0) -> torch.Tensor:
+        """FLOPs per row of reading n[b] tokens from position starts[b], each attending to its prefix only, and
+        scoring `heads` of them with the LM head: with heads = n, sum over i < n of C(starts + i + 1). Plain
+        decoding pays this for the same tokens with one head per token it generates from."""
         first, n = starts.double() + 1, n.double()  # token i of the n sees first + i keys of its prefix
         m = (self.window - first + 1).clamp(min=0).minimum(n)  # in a sliding layer, the first m see them all
         keys = ((self.n_layer - self.sliding_layers) * (n * first + (n - 1) * n / 2)
                 + self.sliding_layers * (m * first + (m - 1) * m / 2 + (n - m) * self.window))
-        return 2.0 * self.matmul_params * n + 4.0 * self.d_attn * keys
+        return 2.0 * (self.matmul_params - self.head_params) * n + 4.0 * self.d_attn * keys + self.head * heads
 
     def buckets(
-        self, starts: torch.Tensor, width: int, kv_len: int, useful: torch.Tensor, used: torch.Tensor
+        self, starts: torch.Tensor, width: int, kv_len: int, useful: torch.Tensor, used: torch.Tensor,
+        heads: tuple[torch.Tensor | int, int] = (0, 0),
     ) -> torch.Tensor:
         """FLOPs of one forward of `width` slots per row, split into [useful, rejected, padding].
 
         Row b's slots [0, useful[b]) read kept tokens, [useful[b], used[b]) tokens later thrown away,
         [used[b], width) nothing (padding). Every slot computes attention over `kv_len` keys; the keys
-        beyond its own prefix (or window) are masked, and charged to padding.
+        beyond its own prefix (or window) are masked, and charged to padding. `heads` = (first, count): the
+        LM head scores slots [first[b], first[b] + count), each charged to the bucket of its slot.
         """
-        kept = self.prefix(starts, useful)
-        thrown = self.prefix(starts, used) - kept
-        total = width * self.slot(kv_len) * torch.ones_like(kept)
+        first, count = heads
+        scored = lambda lo, hi: (hi.clamp(max=first + count) - lo.clamp(min=first)).clamp(min=0)  # noqa: E731
+        zero = torch.zeros_like(useful)
+        kept = self.prefix(starts, useful, scored(zero, useful))
+        thrown = self.prefix(starts, used, scored(useful, used)) - self.prefix(starts, useful)
+        total = (width * self.slot(kv_len) + count * self.head) * torch.ones_like(kept)
         return torch.stack([kept.sum(), thrown.sum(), (total - kept - thrown).sum()])

@@ -301,7 +301,8 @@ class Engine:
 
     @staticmethod
     def _account_read(stats: DecodeStats, flops: FlopModel, start: int, n: int, plain: bool) -> None:
-        """Charge a row's solo read of `n` tokens from `start` as useful (and, for the target, as plain decoding's)."""
+        """Charge a row's solo read of `n` tokens from `start` as useful (and, for the target, as plain decoding's).
+        It runs no LM head: the row's last token is read, and scored, by the step's own forward."""
         starts, read = torch.tensor([start]), torch.tensor([n])
         stats.flops += flops.buckets(starts, n, start + n, read, read)
         if plain:
@@ -356,23 +357,26 @@ class Engine:
         """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters.
 
         `depth` draft tokens per row went to the target; `kept` counts the drafts whose slots produced a
-        committed token (a read of EOS produces none); `fed` is None when the draft did not run."""
+        committed token (a read of EOS produces none); `fed` is None when the draft did not run. The LM heads
+        run where `_draft` and `_verify` keep logits: each draft forward's last token per row, and the target's
+        last committed token and every draft slot; plain decoding scores each of its tokens but the last."""
         n_draft, kept = drafted_kept
         length = old["length"]
         t_unseen = length - old["t_len"]
         t_width = int(t_unseen.max()) + depth
         stats.flops += self.t_flops.buckets(old["t_len"], t_width, int(old["t_len"].max()) + t_width,
-                                            t_unseen + kept, t_unseen + n_draft)
-        stats.ar_flops += float(self.t_flops.prefix(old["t_len"], t_unseen + kept).sum())
+                                            t_unseen + kept, t_unseen + n_draft, (t_unseen - 1, depth + 1))
+        stats.ar_flops += float(self.t_flops.prefix(old["t_len"], t_unseen + kept, kept + 1).sum())
         if fed is None:
             return
         d_unseen = length - old["d_len"]
         d_width = int(d_unseen.max())
         d_end = int(old["d_len"].max()) + d_width
-        stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen)
+        stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen, (d_unseen - 1, 1))
         for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it
             read = (n_draft >= i).long()
-            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, read * (kept >= i), read)
+            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, read * (kept >= i), read,
+                                                (0, 1))
 
     def _retire(self, rows: Rows, host: dict, finished: torch.Tensor, caches: tuple, outputs: list[list[int]]) -> dict:
         """Move finished rows' outputs out and drop them from the batch and the caches."""
