@@ -275,6 +275,18 @@ def test_a_drafted_token_is_judged_on_what_verifying_it_costs() -> None:
     assert not keeps(3, 0.2) and keeps(3, 0.35)
 
 
+def test_the_budget_ends_where_the_rows_do() -> None:
+    """Two tokens left: the engine drafts at most one, so the policy budgets one and judges x_1 as the last draft
+    (kept at 0.2, as with k=1 above), not as a step towards an x_2 that will never be drafted (stopped at 0.2)."""
+    policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=3, prior=0.9)
+    policy.reset(1)
+    state = StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining=2)
+    assert int(policy.budget(state)) == 1
+    features = torch.zeros(1, len(FEATURE_NAMES))
+    features[:, COLUMN["top1"]] = 0.2
+    assert bool(policy.keep(features, torch.zeros(1, dtype=torch.long), state, 1))
+
+
 def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
     """Through the engine: at batch 1 a row that keeps being accepted learns to draft deep; at batch 64 no
     row drafts at all (not even the first draft forward)."""

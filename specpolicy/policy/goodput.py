@@ -147,6 +147,8 @@ class GoodputPolicy(DepthPolicy):
         self._accepted[rows] *= self.memory
         self._verified[rows] *= self.memory
         cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
+        if state.remaining is not None:  # the engine drafts no further than the longest row's last token
+            cap = min(cap, state.remaining - 1)
         depth = 0
         if cap:
             n = self._verified[rows] + self.strength
