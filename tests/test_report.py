@@ -246,10 +246,10 @@ def plotted(fig) -> dict[str, list[float]]:
 
 
 def test_depth_plot_shows_a_policy_at_the_load_where_it_stops_drafting():
-    """`learned` drafts at batch 1 and not at batch 4: its batch-4 run, all zeros, is the line drawn."""
+    """`learned` drafts at batch 1 and not at batch 4: both points are drawn; `ar` never drafts, so it is not."""
     runs = [engine_row("ar", 1, 0, 0.0, 50.0, 50.0), engine_row("learned", 1, 1, 0.5, 55.0, 50.0),
             engine_row("ar", 4, 0, 0.0, 180.0, 180.0), engine_row("learned", 4, 0, 0.0, 181.0, 180.0)]
-    assert plotted(report.plot_depth_vs_load(runs)) == {"learned (batch 4)": [0.0] * 4}  # ar never drafts
+    assert plotted(report.plot_depth_vs_load(runs)) == {"learned": [1.0, 0.0]}
 
 
 def test_acceptance_plot_is_per_position_given_the_earlier_drafts_were_kept():

@@ -234,16 +234,20 @@ def by_policy(runs: list[dict], keep: Callable[[dict], bool]) -> dict[str, list[
 
 
 def plot_speedup(runs: list[dict]) -> Figure:
-    fig, ax = axes("Speedup over plain decoding (ar), with 95% intervals", "batch size", "speedup (tok/s / ar tok/s)")
+    fig, ax = axes("Speedup over ar (bars: 95% intervals; hollow: none)",
+                   f"batch size (an interval needs {MIN_UNITS}+ timed batches)", "speedup (tok/s / ar tok/s)")
     ax.set_prop_cycle(color=colormaps["tab20"].colors)  # ~15 decoders: tab10 would give two of them one colour
     groups = by_policy(runs, lambda r: r.get("speedup") is not None and r["policy"] != "ar")
     for i, (policy, rows) in enumerate(groups.items()):
         y = [r["speedup"] for r in rows]
         low, high = zip(*(r.get("speedup_interval") or (s, s) for r, s in zip(rows, y)))
         nudge = 2 ** (0.01 * (i - (len(groups) - 1) / 2))  # side by side, so the intervals stay readable
-        ax.errorbar([r["batch_size"] * nudge for r in rows], y, yerr=[[s - lo for s, lo in zip(y, low)],
-                                                                         [hi - s for s, hi in zip(y, high)]],
-                    marker="o", markersize=4, capsize=2, elinewidth=1, label=policy)
+        x = [r["batch_size"] * nudge for r in rows]
+        line = ax.errorbar(x, y, yerr=[[s - lo for s, lo in zip(y, low)], [hi - s for s, hi in zip(y, high)]],
+                           marker="o", markersize=4, capsize=2, elinewidth=1, label=policy)
+        unsure = [(xi, yi) for xi, yi, r in zip(x, y, rows) if not r.get("speedup_interval")]
+        if unsure:  # no interval is not a zero-width one
+            ax.plot(*zip(*unsure), "o", markersize=6, color="white", markeredgecolor=line.lines[0].get_color())
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (plain decoding)")
     log2_axis(ax, batch_sizes(runs))
     legend(ax)
@@ -251,18 +255,17 @@ def plot_speedup(runs: list[dict]) -> Figure:
 
 
 def plot_depth_vs_load(runs: list[dict]) -> Figure:
-    """Each policy's largest batch is drawn: only it sweeps every load from full down to one row as rows finish
-    (depth_by_load holds means without counts, so runs at different batch sizes cannot be pooled exactly).
-    A policy that drafted at some batch size is drawn even where it drafted nothing: depth 0 at high load is the
-    point. Static depths dip at the lowest loads too: a row drafts at most its tokens left minus one."""
-    fig, ax = axes("Mean draft depth vs load (largest batch per policy)", "rows in flight", "mean draft depth")
+    """Mean drafted tokens per row-step at each batch size, for every policy that drafts somewhere: a load-aware
+    policy's depth falls as the batch grows. (Within a run the load also falls as rows finish, but a row's last
+    steps cap its depth at its tokens left, so those per-load means, `depth_by_load` in report.json, mostly show
+    the end of the batch.)"""
+    fig, ax = axes("Mean draft depth vs batch size", "batch size", "mean draft depth (tokens per row-step)")
     ax.set_prop_cycle(color=colormaps["tab20"].colors)
-    groups = by_policy(runs, lambda r: bool(r.get("depth_by_load")))
+    groups = by_policy(runs, lambda r: r.get("mean_depth") is not None)
     for policy, rows in ((p, rows) for p, rows in groups.items() if any(map(drafts, rows))):
-        load = sorted((int(k), v) for k, v in rows[-1]["depth_by_load"].items())  # json turns int keys into str
-        ax.plot(*zip(*load), marker="o", label=f"{policy} (batch {rows[-1]['batch_size']})")
+        ax.plot([r["batch_size"] for r in rows], [r["mean_depth"] for r in rows], marker="o", label=policy)
     ax.set_ylim(bottom=0)
-    log2_axis(ax, [2**i for i in range(max(batch_sizes(runs)).bit_length())])
+    log2_axis(ax, batch_sizes(runs))
     legend(ax)
     return fig
 
