@@ -452,3 +452,25 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
     assert all(cost.step_ms(rows, 1) > 5 * cost.step_ms(rows, 0) for rows in (1, 2))
     result = Engine(target.model, draft, max_new_tokens=5, eos_token_id=[]).generate([[1, 2, 3]], StaticPolicy(k=1))
     assert len(result.stats.step_s) == result.stats.steps
+
+
+def test_the_profile_scores_what_each_model_scores_when_decoding(tiny_model, monkeypatch) -> None:
+    """A verify pass needs logits at every token it reads; a draft forward of several tokens (its catch-up)
+    needs them at the last only, so the draft's grid times that: scoring all of them priced a catch-up of a
+    subset-head draft up to a quarter too high."""
+    import specpolicy.cost.profile as profile_module
+
+    scored = []
+    real = profile_module.forward
+
+    def recorded(model, cache, tokens, starts, kv_len, keep, *args, **kwargs):
+        scored.append(keep.tolist())
+        return real(model, cache, tokens, starts, kv_len, keep, *args, **kwargs)
+
+    monkeypatch.setattr(profile_module, "forward", recorded)
+    model = tiny_model().model
+    for score_all, expected in ((True, [[0, 1, 2]] * 2), (False, [[2]] * 2)):
+        timer = profile_module.ForwardTimer(model, rows=2, context=8, max_tokens=3, score_all=score_all)
+        scored.clear()
+        timer(3)
+        assert scored == [expected]

@@ -33,8 +33,8 @@ class LatencyProfile:
     context: int  # tokens already in each row's cache while timing
     rows: list[int]
     tokens: list[int]
-    target_ms: list[list[float]]  # [len(rows)][len(tokens)]
-    draft_ms: list[list[float]]
+    target_ms: list[list[float]]  # [len(rows)][len(tokens)], every token scored by the LM head (a verify pass)
+    draft_ms: list[list[float]]  # the last token scored (a draft forward; since 2026-12-06, every one before)
     # [len(rows)] what a decode step that drafts costs beyond the forwards above, signed (cost.overhead); none: 0
     draft_step_overhead_ms: list[float] | None = None
 
@@ -80,10 +80,12 @@ def device_name(device: torch.device) -> str:
 
 class ForwardTimer:
     """Times one forward of `t` new tokens per row for `rows` rows over a `context`-token cache, through the
-    engine's own `forward` (a fusing draft reads features too; call it in inference mode)."""
+    engine's own `forward` (a fusing draft reads features too; call it in inference mode). The LM head scores
+    every token (`score_all`: a verify pass) or only the last (a draft forward: its catch-up reads many tokens
+    and proposes from the last)."""
 
-    def __init__(self, model: PreTrainedModel, rows: int, context: int, max_tokens: int):
-        self.model, self.rows, self.context = model, rows, context
+    def __init__(self, model: PreTrainedModel, rows: int, context: int, max_tokens: int, score_all: bool = True):
+        self.model, self.rows, self.context, self.score_all = model, rows, context, score_all
         device, vocab = model.device, model.config.vocab_size
         self.cache = RaggedCache(rows, context + max_tokens)
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
@@ -95,7 +97,7 @@ class ForwardTimer:
     def __call__(self, t: int) -> float:
         device = self.model.device
         chunk = torch.randint(0, self.model.config.vocab_size, (self.rows, t), device=device)
-        keep = torch.arange(t, device=device).expand(self.rows, t)  # verification needs logits at every token
+        keep = torch.arange(0 if self.score_all else t - 1, t, device=device).expand(self.rows, -1)
         features = timing_features(self.model, chunk)
         synchronize(device)
         t0 = time.perf_counter()
@@ -126,7 +128,8 @@ def time_grid(models: dict[str, PreTrainedModel], rows: list[int], tokens: list[
     cell 6.1 ms against 3.5 ms for 1 x 2; once after a distillation in the same process, the target's 36.4
     against 24.3 ms). Decoding repeats similar shapes, and a 1 x 1 cell is what plain decoding at batch 1
     is priced at, so an inflated one made drafting look cheap there."""
-    timers = {(name, r): ForwardTimer(model, r, context, max(tokens)) for name, model in models.items() for r in rows}
+    timers = {(name, r): ForwardTimer(model, r, context, max(tokens), score_all=name != "draft")
+              for name, model in models.items() for r in rows}
     best = {key: [float("inf")] * len(tokens) for key in timers}
     for _ in tqdm(range(repeats + 1), desc="profile (rounds over the grid)"):
         for key, timer in timers.items():
