@@ -302,8 +302,8 @@ def plot_flops(runs: list[dict]) -> Figure:
 def plot_acceptance(runs: list[dict]) -> Figure:
     """Position i's rate is P(x_i accepted | x_i drafted and x_1..x_{i-1} accepted), the per-token acceptance a
     depth policy trades on. Counts are summed over batch sizes before dividing: a ratio of totals."""
-    fig, ax = axes("Acceptance by draft position, given the earlier drafts were accepted (all batch sizes)",
-                   "draft position", "accepted / reached at position")
+    fig, ax = axes("Acceptance by draft position, given earlier drafts kept", "draft position (all batch sizes)",
+                   "accepted / reached at position")
     ax.set_prop_cycle(color=colormaps["tab20"].colors)
     for policy, rows in by_policy(runs, lambda r: drafts(r) and "reached_at" in r).items():
         reached = [sum(c) for c in zip_longest(*(r["reached_at"] for r in rows), fillvalue=0)]
