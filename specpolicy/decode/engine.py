@@ -202,10 +202,10 @@ class Engine:
         n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
+        new_host = rows.host()  # the step's one sync: a policy that copies its evidence to the host waits no more
         if decides:
             with stats.deciding():
                 policy.observe(state, n_draft, n_acc)
-        new_host = rows.host()
         # drafts past an accepted EOS count as not accepted: the row ended there
         stats.later(stats.record_step, n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())
         stats.later(self._account, stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
@@ -231,6 +231,8 @@ class Engine:
             if self.draft_ids is not None:
                 x_i = self.draft_ids[x_i]
             features = None
+            if policy.reads_features:  # on a GPU, time the policy, not the draft forward its copies would wait for
+                synchronize(self.device)
             with stats.deciding():  # the features are the policy's cost: decoding itself needs none
                 if policy.reads_features:  # softmax statistics over the vocabulary: ~5x an argmax, so on demand
                     features = draft_features(logits, cum, i, state.rows, state.tokens)
