@@ -195,9 +195,7 @@ class Engine:
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
         else:  # nobody drafts: the draft catches up later, in one chunk
-            drafts = rows.seq.new_zeros(rows.seq.shape[0], 0)
-            p = None if self.temperature == 0 else torch.zeros(rows.seq.shape[0], 0, self.vocab, device=self.device)
-            n_draft, fed = torch.zeros_like(budget), None
+            (drafts, p), n_draft, fed = self._no_drafts(len(budget)), torch.zeros_like(budget), None
         logits = self._verify(rows, host, caches[0], drafts, stats)
         n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
                                        self.top_p)
@@ -253,13 +251,19 @@ class Engine:
             logits = logits[:, 0]
             stats.draft_forwards += 1
         fed = i - 1  # the draft read x_1..x_{i-1} (x_i, last proposed, is read next step if kept)
-        drafts = torch.stack(tokens, 1) if tokens else rows.seq.new_zeros(len(budget), 0)
+        if not tokens:  # every row stopped at x_1
+            return *self._no_drafts(len(budget)), n_draft, fed
         if self.temperature == 0:
-            return drafts, None, n_draft, fed
-        p = torch.stack(dists, 1) if dists else logits.new_zeros(len(budget), 0, logits.shape[-1])
+            return torch.stack(tokens, 1), None, n_draft, fed
+        p = torch.stack(dists, 1)
         if self.draft_ids is not None:  # the rejection rule compares it with the target's
             p = p.new_zeros(*p.shape[:2], self.vocab).index_copy_(-1, self.draft_ids, p)
-        return drafts, p, n_draft, fed
+        return torch.stack(tokens, 1), p, n_draft, fed
+
+    def _no_drafts(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [rows, 0] and, when sampling, their distributions [rows, 0, V]: a step that verifies none."""
+        drafts = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
+        return drafts, None if self.temperature == 0 else torch.zeros(rows, 0, self.vocab, device=self.device)
 
     def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, stats: DecodeStats
                 ) -> torch.Tensor:
