@@ -93,8 +93,8 @@ class FlopModel:
         """
         first, count = heads
         scored = lambda lo, hi: (hi.clamp(max=first + count) - lo.clamp(min=first)).clamp(min=0)  # noqa: E731
-        zero = torch.zeros_like(useful)
-        kept = self.prefix(starts, useful, scored(zero, useful))
-        thrown = self.prefix(starts, used, scored(useful, used)) - self.prefix(starts, useful)
+        read_kept = self.prefix(starts, useful)
+        kept = read_kept + self.head * scored(torch.zeros_like(useful), useful)
+        thrown = self.prefix(starts, used) - read_kept + self.head * scored(useful, used)
         total = (width * self.slot(kv_len) + count * self.head) * torch.ones_like(kept)
         return torch.stack([kept.sum(), thrown.sum(), (total - kept - thrown).sum()])
