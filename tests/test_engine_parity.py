@@ -36,6 +36,7 @@ from specpolicy.policy import (
     StepState,
 )
 from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator
+from specpolicy.rollout.collect import COLUMNS, RecordingPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -219,12 +220,11 @@ def test_stats_are_consistent(case: Case, policy: str) -> None:
         result = case.run(policy, "partial", everyone, eos, N)
         outputs, stats = result.outputs, result.stats
         assert stats.tokens == sum(map(len, outputs))
-        assert stats.mean_accepted == pytest.approx((stats.accepted + stats.row_steps) / stats.row_steps)
-        # Each row-step keeps its accepted drafts + 1 token; a step that ends at an EOS drafted and accepted
-        # keeps no extra token, so with EOS only the inequality is required.
-        if eos == NO_EOS:
-            assert stats.tokens == stats.accepted + stats.row_steps
-        assert stats.tokens <= stats.accepted + stats.row_steps
+        # each row-step keeps its accepted drafts + 1 token, except the step that keeps an EOS among its drafts:
+        # it ends there, and counts neither a bonus token nor the drafts after the EOS
+        ended = sum(1 for r in outputs if r and r[-1] in eos)
+        assert stats.accepted + stats.row_steps - ended <= stats.tokens <= stats.accepted + stats.row_steps
+        assert stats.mean_accepted == pytest.approx(stats.tokens / stats.row_steps)
         assert int(stats.drafted_at.sum()) == stats.drafted and int(stats.accepted_at.sum()) == stats.accepted
         assert bool((stats.drafted_at[1:] <= stats.drafted_at[:-1]).all()), stats.drafted_at
         assert bool((stats.accepted_at[1:] <= stats.accepted_at[:-1]).all()), stats.accepted_at
@@ -245,6 +245,19 @@ def test_static_with_identical_draft_keeps_every_draft(case: Case) -> None:
     steps = stats.target_forwards - case.read_alone(everyone)
     assert steps == -(-N // 4)  # k + 1 = 4 tokens per step
     assert stats.mean_accepted == pytest.approx(N / steps)
+
+
+def test_drafts_after_a_kept_eos_are_neither_kept_nor_rejected(case: Case) -> None:
+    """An identical draft proposes the EOS the target writes, and drafts on past it; the row ends at the EOS, so
+    the drafts after it are no evidence against the draft: acceptance stays 1 and tau counts no bonus token."""
+    everyone = list(range(len(case.prompts)))
+    recorder = RecordingPolicy(StaticPolicy(k=3))
+    result = case.run(recorder, "same", everyone, (case.eos,), N)
+    stats = result.stats
+    assert stats.tokens < stats.accepted + stats.row_steps  # some row kept its EOS among the drafts
+    assert stats.drafted > 0 and stats.acceptance_rate == 1.0, (stats.accepted, stats.drafted)
+    assert stats.mean_accepted * stats.row_steps == pytest.approx(stats.tokens)
+    assert bool(torch.cat(recorder.records)[:, COLUMNS.index("accepted")].eq(1).all())
 
 
 @pytest.mark.parametrize("eos", ["none", "early"])

@@ -126,7 +126,7 @@ def test_a_policy_s_batches_add_up_whatever_their_sizes(tiny_model) -> None:
     assert total.step_s == a.step_s + b.step_s and torch.equal(total.flops, a.flops + b.flops)
     padded = b.steps_at_load.tolist() + [0] * 3  # batch 1: row counts 0 and 1; batch 4: 0 to 4
     assert total.steps_at_load.tolist() == [x + y for x, y in zip(a.steps_at_load.tolist(), padded)]
-    assert total.mean_accepted == (a.accepted + b.accepted + a.row_steps + b.row_steps) / (a.row_steps + b.row_steps)
+    assert total.mean_accepted == (a.tokens + b.tokens) / (a.row_steps + b.row_steps)
 
 
 def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_model) -> None:

@@ -201,11 +201,14 @@ class Engine:
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
         new_host = rows.host()  # the step's one sync: a policy that copies its evidence to the host waits no more
+        # a row that kept an EOS among its drafts ended there: the drafts after it were neither kept nor
+        # rejected, so neither the policy's evidence nor the stats count them (the FLOP buckets still do)
+        ended = n_new <= n_acc
+        drafted, accepted = torch.where(ended, n_new, n_draft), torch.where(ended, n_new, n_acc)
         if decides:
             with stats.deciding():
-                policy.observe(state, n_draft, n_acc)
-        # drafts past an accepted EOS count as not accepted: the row ended there
-        stats.later(stats.record_step, n_draft.cpu(), torch.minimum(n_acc, n_new).cpu())
+                policy.observe(state, drafted, accepted)
+        stats.later(stats.record_step, drafted.cpu(), accepted.cpu())
         stats.later(self._account, stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
         return self._retire(rows, new_host, finished, caches, outputs)
 

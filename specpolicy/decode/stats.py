@@ -99,8 +99,8 @@ class DecodeStats:
 
     @property
     def mean_accepted(self) -> float:
-        """tau: tokens kept per verify step and row, bonus token included."""
-        return (self.accepted + self.row_steps) / self.row_steps if self.row_steps else 0.0
+        """tau: tokens kept per verify step and row, bonus token included (none after a kept EOS: the row ended)."""
+        return self.tokens / self.row_steps if self.row_steps else 0.0
 
     @property
     def mean_depth(self) -> float:
