@@ -157,9 +157,11 @@ def head(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     data = RolloutDataModule(features, rollouts["accepted"].float(), rollouts["group"], h.batch_size, h.val_fraction,
                              cfg.seed)
-    first = features[:, FEATURE_NAMES.index("position")] == 1
+    position = features[:, FEATURE_NAMES.index("position")]
+    first = position == 1
     prior = float(rollouts["accepted"].float()[first].mean()) if bool(first.any()) else 0.5
-    module = HeadModule(HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior), lr=h.lr)
+    config = HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior, positions=int(position.max()))
+    module = HeadModule(config, lr=h.lr)
     trainer = instantiate(h.trainer, logger=experiment_logger(cfg) or False)
     fit(trainer, module, datamodule=data, ckpt_path=h.ckpt_path)
     module.head.save(out)

@@ -53,5 +53,6 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     assert not (tmp_path / "tiny" / "rollouts_shards").exists()
     stages.head(cfg)
     first = rollouts["position"] == 1
-    prior = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())["prior"]
-    assert prior == pytest.approx(float(rollouts["accepted"][first].float().mean()))
+    config = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())
+    assert config["prior"] == pytest.approx(float(rollouts["accepted"][first].float().mean()))
+    assert config["positions"] == int(rollouts["position"].max())  # the deepest the learned policy may go

@@ -421,6 +421,28 @@ def test_head_learns_acceptance_from_confidence() -> None:
     assert p[1] > p[0] + 0.3
 
 
+def test_load_aware_policies_draft_no_deeper_than_their_profile_and_head_know(tmp_path, caplog) -> None:
+    """Past the profile's widest verify pass the cost model clamps (every deeper depth priced as that pass), and
+    past the rollouts' deepest position the head extrapolates: k is capped at both, with a warning."""
+    import dataclasses
+
+    profile = synthetic.profile()
+    narrow = dataclasses.replace(profile, tokens=profile.tokens[:4], target_ms=[r[:4] for r in profile.target_ms],
+                                 draft_ms=[r[:4] for r in profile.draft_ms])
+    DepthHead(HeadConfig(hidden=8, positions=5)).save(tmp_path / "head")
+    head = HeadEstimator(str(tmp_path / "head"))
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        assert GoodputPolicy(profile, k=8).max_depth == 8
+        assert not caplog.text
+        assert GoodputPolicy(narrow, k=8).max_depth == 3
+        assert "k=8 capped at 3: the profile times verify passes of up to 4 tokens" in caplog.text
+        assert GoodputPolicy(profile, k=8, estimator=head).max_depth == 5
+        assert "capped at 5: the head's rollouts reach draft position 5 (collect.k)" in caplog.text
+        assert GoodputPolicy(narrow, k=4, estimator=head).max_depth == 3
+    DepthHead(HeadConfig(hidden=8)).save(tmp_path / "old")  # a head saved before it recorded its positions
+    assert GoodputPolicy(profile, k=8, estimator=HeadEstimator(str(tmp_path / "old"))).max_depth == 8
+
+
 def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tiny_model, monkeypatch) -> None:
     """The engine's own steps, depth 1 against depth 0, put on the grid's scale: a delay that only drafting
     steps pay (here 50 ms in sampling the draft token) shows up as the ratio of the step times, and nothing

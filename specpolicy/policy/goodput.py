@@ -45,6 +45,7 @@ steps left (`CostModel.catch_up_ms`), so drafting starts only where the rest of 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,8 @@ from specpolicy.errors import check_depth, check_number
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.policy.head import DepthHead
 from specpolicy.rollout.features import COLUMN
+
+log = logging.getLogger("specpolicy")
 
 
 @functools.cache
@@ -103,6 +106,11 @@ class HeadEstimator:
         """How often the draft's first token was accepted in the rollouts the head learned from."""
         return self.head.config.prior
 
+    @property
+    def positions(self) -> int | None:
+        """The deepest draft position the head learned from."""
+        return self.head.config.positions
+
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         if self.head.index.device != features.device:
             self.head.to(features.device)
@@ -130,6 +138,7 @@ class GoodputPolicy(DepthPolicy):
             profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm), settings)
         self.cost = CostModel(profile)
         self.estimator = estimator or DraftConfidence()
+        self._cap_depth(profile, getattr(self.estimator, "positions", None))
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
         self.prior = prior if prior is not None else getattr(self.estimator, "prior", 0.5)
         self.strength, self.memory, self.optimism = strength, memory, optimism
@@ -137,6 +146,18 @@ class GoodputPolicy(DepthPolicy):
         self._moments, self._reach = np.zeros((2, 0)), np.zeros(0)
         self._accepted = self._verified = np.zeros(0)  # per-row evidence, on the host: a few rows, every step
         self._depth = 0  # this step's budget: keeping a token short of it commits to one more draft forward
+
+    def _cap_depth(self, profile: LatencyProfile, positions: int | None) -> None:
+        """No deeper than its inputs know: past the profile's widest verify pass the cost model would price
+        every depth as that pass (it clamps), and past the rollouts' deepest position the head extrapolates."""
+        limits = {f"the profile times verify passes of up to {profile.tokens[-1]} tokens (profile.tokens)":
+                  profile.tokens[-1] - 1}
+        if positions is not None:
+            limits[f"the head's rollouts reach draft position {positions} (collect.k)"] = positions
+        for why, depth in limits.items():
+            if depth < self.max_depth:
+                log.warning("goodput/learned: k=%d capped at %d: %s", self.max_depth, depth, why)
+                self.max_depth = depth
 
     def reset(self, batch_size: int) -> None:
         self._accepted = np.zeros(batch_size)  # faded counts of accepted draft tokens

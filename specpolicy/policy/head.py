@@ -25,6 +25,7 @@ class HeadConfig:
     layers: int = 2
     features: tuple[str, ...] = FEATURE_NAMES
     prior: float = 0.5  # acceptance rate of a first draft token in the training rollouts
+    positions: int | None = None  # the deepest draft position in the training rollouts (None: not recorded)
 
     def __post_init__(self) -> None:
         if check_int("head.layers (0: a logistic regression)", self.layers, 0):
