@@ -6,6 +6,7 @@ skipped when its output exists, so `scripts/train.py` can be rerun after an inte
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -113,7 +114,7 @@ def collect(cfg: DictConfig) -> None:
     c = cfg.collect
     target, draft = load_pair(cfg, cfg.trained_draft)
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
-    conversations = _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load())
+    conversations = _not_evaluated(cfg, _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load()))
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
     shards = out.with_name("rollouts_shards")
     for bs in tqdm(list(c.batch_sizes), desc="collect (batch sizes)"):
@@ -142,6 +143,21 @@ def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
                 "rollouts reuse distillation prompts, where the draft is more often right than on new ones "
                 "(lower distill.data.train_prompts to keep some apart)", needed, seen if seen is not None else "all")
     return conversations
+
+
+def _not_evaluated(cfg: DictConfig, conversations: list) -> list:
+    """Without the prompts evaluate.py decodes (`data` as configured): a prompts file without a `split` column
+    serves every split, and a head trained on the evaluation's own sequences would be scored on them."""
+    evaluated = {json.dumps(c) for c in instantiate(cfg.data, limit=None).load()}
+    kept = [c for c in conversations if json.dumps(c) not in evaluated]
+    if not kept:
+        raise SpecPolicyError(f"every rollout prompt is also an evaluation prompt (data.split={cfg.data.split}; a "
+                              f"prompts file without a `split` column is every split); give its rows a `split`: "
+                              f"train, validation or test")
+    if len(kept) < len(conversations):
+        log.warning("collect: %d of %d rollout prompts are evaluation prompts; not decoded",
+                    len(conversations) - len(kept), len(conversations))
+    return kept
 
 
 def head(cfg: DictConfig) -> None:

@@ -9,7 +9,8 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from specpolicy.stages import _unseen_by_draft
+from specpolicy.errors import SpecPolicyError
+from specpolicy.stages import _not_evaluated, _unseen_by_draft
 
 
 def _cfg(train_prompts: int | None):
@@ -26,6 +27,27 @@ def test_collect_reuses_distillation_prompts_with_a_warning_when_too_few_are_lef
         assert _unseen_by_draft(_cfg(7), list(range(10))) == list(range(10))
         assert _unseen_by_draft(_cfg(None), list(range(10))) == list(range(10))
     assert caplog.text.count("the rollouts reuse distillation prompts") == 2
+
+
+def test_collect_never_decodes_the_evaluation_prompts(tmp_path, caplog):
+    """A train row that is also a test row is left out; a file without splits (every row is every split) is
+    refused, as distillation refuses it, rather than training the head on the evaluation's sequences."""
+    def data(rows: list[dict]):
+        (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return OmegaConf.create({"data": {"_target_": "specpolicy.data.PromptSource", "split": "test",
+                                          "prompts_file": str(tmp_path / "p.jsonl")}})
+
+    rows = [{"prompt": p, "split": s} for p, s in (("a", "train"), ("b", "train"), ("b", "test"), ("c", "test"))]
+    cfg = data(rows)
+    from hydra.utils import instantiate
+
+    train = instantiate(cfg.data, split="train").load()
+    with caplog.at_level(logging.WARNING, logger="specpolicy"):
+        assert _not_evaluated(cfg, train) == train[:1]
+    assert "1 of 2 rollout prompts are evaluation prompts" in caplog.text
+    cfg = data([{"prompt": p} for p in "abc"])
+    with pytest.raises(SpecPolicyError, match="every rollout prompt is also an evaluation prompt"):
+        _not_evaluated(cfg, instantiate(cfg.data, split="train").load())
 
 
 def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_acceptance(tmp_path):
