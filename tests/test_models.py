@@ -88,6 +88,17 @@ def test_layer_subset_draft(target) -> None:
         LayerSubsetDraft(layers=[0, 7]).build(target)
 
 
+def test_drafts_built_from_the_target_stop_where_it_stops() -> None:
+    """A target whose generation config ends turns on more ids than its config.json (chat models do): the
+    draft, which writes on-policy distillation data, must stop on them too."""
+    from specpolicy.models.draft import FreshDraft
+
+    target = RandomInitSource(model_type="llama", config=TINY, device="cpu").load()
+    target.model.generation_config.eos_token_id = [2, 7]
+    for draft in (LayerSubsetDraft(layers=[0]), FreshDraft(num_hidden_layers=1)):
+        assert draft.build(target).model.generation_config.eos_token_id == [2, 7], draft
+
+
 def test_vocab_mismatch_names_both_sides(target, tmp_path: Path) -> None:
     other = RandomInitSource(model_type="llama", config=TINY, device="cpu").load()
     other.tokenizer.add_tokens(["<extra>"])

@@ -55,6 +55,16 @@ def test_subset_head_scores_its_tokens_only_and_costs_only_their_rows(target):
     torch.testing.assert_close(draft(ids).logits, full_logits)
 
 
+def test_a_saved_subset_is_found_through_a_home_relative_path(target, tmp_path: Path, monkeypatch):
+    """The model loads from `~/...` (`PretrainedSource` expands it); its subset must come with it."""
+    built = LayerSubsetDraft(layers=[0, -1]).build(target)
+    vocab = frequent_tokens([], 64, target.model.config.vocab_size)
+    save_model(tmp_path / "d", built.model, built.tokenizer, {VOCAB_FILE: vocab_file_text(vocab)})
+    monkeypatch.setenv("HOME", str(tmp_path))
+    draft = PretrainedDraft(PretrainedSource(path="~/d", device="cpu")).build(target)
+    assert isinstance(draft.model.get_output_embeddings(), SubsetHead)
+
+
 def test_saved_subset_is_applied_on_load_and_decoding_stays_lossless(target, tmp_path: Path):
     built = LayerSubsetDraft(layers=[0, -1]).build(target)
     vocab = frequent_tokens([], 64, target.model.config.vocab_size, always=[target.tokenizer.eos_token_id])

@@ -75,9 +75,12 @@ class LayerSubsetDraft:
 
 
 def _empty_like(target: torch.nn.Module, config) -> torch.nn.Module:
-    """A randomly initialised model of `config` on the target's device and dtype, with its kind of linear layers."""
+    """A randomly initialised model of `config` on the target's device and dtype, with its kind of linear layers,
+    that stops where the target stops: `from_config` takes its EOS from `config.json`, which may lack the ids the
+    target's generation config adds (a chat template's end of turn), and the draft writes on-policy data."""
     param = next(target.parameters())
     draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype).to(param.device)
+    draft.generation_config = copy.deepcopy(target.generation_config)
     skinny = any(isinstance(m, SkinnyLinear) for m in target.modules())
     return use_skinny_gemm(draft) if skinny else draft
 

@@ -96,7 +96,7 @@ def vocab_file_text(token_ids: torch.Tensor) -> str:
 
 def load_vocab(folder: str | Path) -> torch.Tensor | None:
     """The subset saved beside a draft, or None (a full-vocabulary draft, or a hub id)."""
-    path = Path(folder) / VOCAB_FILE
+    path = Path(folder).expanduser() / VOCAB_FILE  # as the model itself loads (`PretrainedSource`)
     if not path.is_file():
         return None
     return torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long)
