@@ -31,6 +31,15 @@ def test_samples_per_prompt_gives_each_copy_its_own_response(tiny_model, tmp_pat
     assert len(set(responses)) == 9  # every copy and every batch samples from its own random stream
 
 
+def test_sampled_data_is_cached_per_batch_size_and_greedy_data_is_not(tiny_model):
+    """Each generation batch seeds its own stream, so sampled responses change with the batch size and must not
+    be read back from another's cache entry; greedy ones do not, and keep one entry."""
+    target = tiny_model().model
+    key = {(t, b): DistillData(temperature=t, batch_size=b).key(target, target, PROMPTS, 4) for t in (0.0, 1.0)
+           for b in (2, 3)}
+    assert key[0.0, 2] == key[0.0, 3] and key[1.0, 2] != key[1.0, 3]
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"samples_per_prompt": 2, "temperature": 0.0}, "samples_per_prompt=2.*temperature > 0"),
     ({"max_new_tokens": 0}, "distill.data.max_new_tokens must be an integer >= 1, got 0"),

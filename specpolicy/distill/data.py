@@ -77,7 +77,9 @@ class DistillData:
                                   f"distill.data.temperature > 0 (greedy decoding repeats one response), or 1")
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
-        which = ("train_prompts", "val_prompts", "test_prompts", "batch_size")  # the prompts are hashed themselves
+        which = ("train_prompts", "val_prompts", "test_prompts")  # the prompts are hashed themselves
+        if self.temperature == 0:  # a sampled response depends on its batch (each seeds its stream), a greedy one not
+            which += ("batch_size",)
         settings = {k: v for k, v in asdict(self).items() if k not in which}
         return cache_key({"target": fingerprint(target), "generator": fingerprint(generator), "prompts": prompts,
                           "settings": settings, "top_k": top_k})

@@ -64,9 +64,9 @@ class PromptSynthesis:
                       train: list[Conversation] = ()) -> list[Conversation]:
         """The prompts as conversations, sampled once per (target, settings, openings) and then read from the
         cache. `train` is the real training set whose first words open the messages (with `opening_words`)."""
-        settings = {k: v for k, v in asdict(self).items() if k not in ("batch_size", "opening_words")}
+        settings = {k: v for k, v in asdict(self).items() if k != "opening_words"}  # batches seed their samples
         openings = self.openings(train)
-        if openings:  # free sampling hashes as it did before openings existed: its caches stay valid
+        if openings:
             settings |= {"opening_words": self.opening_words, "openings": openings}
         key = cache_key({"target": fingerprint(model), **settings})
         path = Path(cache_dir) / "distill" / f"synthetic-prompts-{key}.jsonl"
