@@ -107,6 +107,8 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("train", "profile.overhead_rounds=0", "profile.overhead_rounds must be"),
     ("train", "collect.batch_sizes=[1,0]", "collect.batch_sizes must be"),
     ("train", "collect.k=0", "collect.k must be"),
+    # the cached top-k spreads the rest evenly, which tempering would turn into most of the mass
+    ("train", "distill.temperature=2", "distill.temperature=2 needs the target's whole distribution"),
 ])
 def test_a_bad_count_is_named_before_any_work(task: str, override: str, message: str, tmp_path: Path) -> None:
     """evaluate before any model loads; train before the distil stage, for every selected stage's settings."""

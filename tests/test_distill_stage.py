@@ -80,6 +80,45 @@ def test_fresh_draft_lora_online_targets_on_draft_data(shared):
     draft = AutoModelForCausalLM.from_pretrained(shared / "lora" / "tiny" / "draft")
     assert draft.config.hidden_size == 32
     assert not any("lora" in k for k in draft.state_dict())  # merged before saving
+    assert m["trainable_parameters"] > 0  # counted before merging removes the adapters
+
+
+def test_lora_with_a_draft_vocabulary_saves_the_draft_it_measured(shared):
+    """peft's all-linear spares the LM head but would adapt the Linear inside a subset head; the saved folder
+    keeps the full head, so that adapter's training would be lost between metrics.json and the folder."""
+    from specpolicy.distill.stage import held_out_metrics, saved_pair
+
+    cfg = _cfg(shared, "lora_vocab", "draft.layers=[0,-1]", "distill=lora", "distill.draft_vocab=64")
+    distil(cfg)
+    m = _metrics(shared, "lora_vocab")
+    target, draft = saved_pair(cfg)
+    again = held_out_metrics(cfg, target, draft)
+    for key in ("loss", "agreement", "expected_acceptance"):
+        assert again[key] == pytest.approx(m["after"][key], abs=1e-5), key
+
+
+class RecordBatches(L.Callback):
+    """The rows of every training batch, in order."""
+
+    batches: list = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        rows = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)
+        RecordBatches.batches.append(sorted(tuple(t for t in r if t >= 0) for r in rows.tolist()))
+
+
+def test_gradient_accumulation_takes_fresh_batches_for_every_step(shared):
+    """With accumulate_grad_batches=2 a step takes two batches: 3 steps of 2 x 4 rows go over the 12 training
+    sequences twice, each pass a permutation (the sampler once ran out after max_steps batches)."""
+    RecordBatches.batches = []
+    distil(_cfg(shared, "accumulate", "draft.layers=[0,-1]", "trainer.max_steps=3", "trainer.val_check_interval=6",
+                "+trainer.accumulate_grad_batches=2", "+callbacks.record._target_=test_distill_stage.RecordBatches"))
+    assert _metrics(shared, "accumulate")["steps"] == 3
+    batches = RecordBatches.batches
+    assert len(batches) == 6
+    for epoch in (batches[:3], batches[3:]):
+        rows = [r for b in epoch for r in b]
+        assert len(set(rows)) == len(rows) == 12
 
 
 class CrashAt(L.Callback):
@@ -103,9 +142,11 @@ def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
     ckpt_dir = shared / "resumed" / "tiny" / "distill" / "checkpoints"
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 4
     assert not (shared / "resumed" / "tiny" / "draft").exists()
+    before_kill = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["callbacks"]["Timer"]["time_elapsed"]["train"]
     distil(_cfg(shared, "resumed", *every))  # distill.ckpt_path=last by default
     straight, resumed = _metrics(shared, "straight"), _metrics(shared, "resumed")
     assert resumed["steps"] == straight["steps"] == 7
+    assert resumed["train_seconds"] > before_kill > 0  # the time before the kill counts too
     for key in ("loss", "agreement", "expected_acceptance"):
         assert resumed["after"][key] == pytest.approx(straight["after"][key], abs=1e-6), key
     a = AutoModelForCausalLM.from_pretrained(shared / "straight" / "tiny" / "draft").state_dict()
@@ -132,6 +173,25 @@ def test_draft_vocab_narrows_the_head_and_saves_a_standard_folder(shared):
         assert torch.equal(getattr(draft, weights)().weight, getattr(target.model, weights)().weight), weights
     full = instantiate(cfg.draft).build(target)  # the same draft with its full head
     assert m["cost"]["flops_ratio"] < full.cost["flops_ratio"]
+
+
+def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_writes(shared):
+    """With `source=draft` the training responses are the draft's; the vocabulary is ranked by the target's top-1
+    on them (cached), and without cached targets the setting is refused before anything loads."""
+    from specpolicy.distill.stage import check_distil
+
+    cfg = _cfg(shared, "vocab_draft", "draft.layers=[0,-1]", "distill.data.source=draft")
+    target = instantiate(cfg.target).load()
+    datamodule = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    rows = datamodule._load()["train"]
+    for ids, n, written in list(zip(rows["input_ids"], rows["prompt_len"], datamodule.train_responses()))[:3]:
+        with torch.no_grad():
+            logits = target.model(torch.tensor([ids])).logits[0]
+        assert written == logits[n - 1: len(ids) - 1].argmax(-1).tolist()
+    online = _cfg(shared, "vocab_draft", "distill.data.source=draft", "distill.draft_vocab=64",
+                  "distill.freeze_embeddings=true", "distill.target_probs=online")
+    with pytest.raises(SpecPolicyError, match="distill.draft_vocab with distill.data.source=draft ranks tokens"):
+        check_distil(online)
 
 
 def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):

@@ -147,11 +147,11 @@ class DistillModule(LightningModule):
 
 
 class StepBatchSampler(Sampler[list[int]]):
-    """Batches for steps [start, steps): step s takes slice s of a permutation seeded by (seed, epoch of s).
+    """Batches [start, steps): batch s takes slice s of a permutation seeded by (seed, epoch of s).
 
-    `len` is the whole run (`steps`), so Lightning's progress counters, restored from a checkpoint,
-    line up with the batches this sampler still has to yield. Under DDP each rank takes every
-    world-th row of the global batch.
+    `len` is the whole run (`steps` batches: optimizer steps times `accumulate_grad_batches`), so Lightning's
+    progress counters, restored from a checkpoint, line up with the batches this sampler still has to yield.
+    Under DDP each rank takes every world-th row of the global batch.
     """
 
     def __init__(self, n: int, batch_size: int, steps: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
@@ -229,17 +229,21 @@ class DistillDataModule(LightningDataModule):
         self._build()
 
     def train_responses(self) -> list[list[int]]:
-        """The response tokens of the training rows (generated if missing): what a draft vocabulary is ranked by."""
+        """What the target writes on the training rows (generated if missing), which a draft vocabulary is ranked
+        by: its own responses, or, where the draft wrote them (`source=draft`), its cached top-1 at each position."""
         rows = self._load()["train"]
-        return [ids[n:] for ids, n in zip(rows["input_ids"], rows["prompt_len"])]
+        if self.data.source == "target":
+            return [ids[n:] for ids, n in zip(rows["input_ids"], rows["prompt_len"])]
+        return [[top[0] for top in ids] for ids in rows["topk_ids"]]  # `check_distil` asks for cached targets
 
     def setup(self, stage: str) -> None:
         self.sets = self._load()
 
     def train_dataloader(self) -> DataLoader:
         t = self.trainer
-        sampler = StepBatchSampler(len(self.sets["train"]), self.batch_size, t.max_steps, self.seed,
-                                   start=t.global_step, rank=t.global_rank, world=t.world_size)
+        per_step = t.accumulate_grad_batches  # checkpoints fall on optimizer steps: whole accumulations
+        sampler = StepBatchSampler(len(self.sets["train"]), self.batch_size, t.max_steps * per_step, self.seed,
+                                   start=t.global_step * per_step, rank=t.global_rank, world=t.world_size)
         return DataLoader(self.sets["train"], batch_sampler=sampler, collate_fn=self.collate)
 
     def val_dataloader(self) -> DataLoader:

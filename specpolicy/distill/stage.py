@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
+import re
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Timer
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,7 +30,14 @@ from specpolicy.models import LoadedModel
 from specpolicy.models.draft import describe_cost
 from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import save_model
-from specpolicy.models.vocab import VOCAB_FILE, frequent_tokens, restore_full_head, use_subset_head, vocab_file_text
+from specpolicy.models.vocab import (
+    VOCAB_FILE,
+    SubsetHead,
+    frequent_tokens,
+    restore_full_head,
+    use_subset_head,
+    vocab_file_text,
+)
 
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
@@ -48,12 +56,20 @@ def check_distil(cfg: DictConfig) -> None:
     check_count("trainer.max_steps", cfg.trainer.max_steps)
     check_trainer("trainer", cfg.trainer)
     check_number("distill.temperature", d.temperature, 0, low_open=True, why="it divides the logits")
+    if d.target_probs == "cached" and d.temperature != 1:  # tempering reshapes the tail the cache spreads evenly
+        raise SpecPolicyError(f"distill.temperature={d.temperature} needs the target's whole distribution, and the "
+                              f"cache keeps its top {d.data.top_k} only (at T=2 its even tail would take most of the "
+                              f"mass); set distill.target_probs=online, or distill.temperature=1")
     check_number("distill.feature_loss", d.feature_loss, 0, why="a loss weight")
     check_count("distill.batch_size", d.batch_size)
     check_count("distill.max_length", d.max_length)
     check_int("distill.unroll", d.unroll, 0)
     if d.get("draft_vocab") is not None:  # its upper bound, the vocabulary, is checked once the target loads
         check_count("distill.draft_vocab (or null for the full head)", d.draft_vocab)
+        if d.data.source == "draft" and d.target_probs != "cached":
+            raise SpecPolicyError("distill.draft_vocab with distill.data.source=draft ranks tokens by the target's "
+                                  "top-1 on the draft's responses, which only cached targets keep; set "
+                                  "distill.target_probs=cached, or distill.data.source=target")
     uniform = torch.full((1, 2), -math.log(2.0))
     instantiate(d.loss)(uniform, uniform)
     try:  # torch's optimizers refuse a negative lr, betas outside [0, 1), a string, ... when built
@@ -87,24 +103,24 @@ def distil(cfg: DictConfig) -> None:
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
                            temperature=d.temperature, feature_loss=d.feature_loss, unroll=d.unroll)
-    trainer = _trainer(cfg)
+    timer = Timer(verbose=False)  # its elapsed time rides in the checkpoints: a resumed run reports the whole
+    trainer = _trainer(cfg, timer)
     before = _held_out(trainer, module, datamodule)
-    start = time.perf_counter()
     with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
         fit(trainer, module, datamodule=datamodule, ckpt_path=d.ckpt_path)
-    train_s = time.perf_counter() - start
+    train_s = timer.time_elapsed("train")
     if trainer.interrupted or trainer.global_step < trainer.max_steps:
         raise SpecPolicyError(f"distillation stopped at step {trainer.global_step} of {trainer.max_steps}; "
                               f"rerun the same command to resume from the last checkpoint")
     after = _held_out(trainer, module, datamodule)
     if not trainer.is_global_zero:
         return
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # merging drops LoRA's adapters
     merged = model.merge_and_unload() if d.get("lora") else model
     metrics = {"draft": draft.name, "target": target.name, "before": before, "after": after,
                "cost": draft.cost, "draft_vocab": None if vocab is None else len(vocab), "train_seconds": train_s,
-               "steps": trainer.global_step,
-               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+               "steps": trainer.global_step, "trainable_parameters": trainable,
                "distill": OmegaConf.to_container(d, resolve=True)}
     files = {"metrics.json": json.dumps(metrics, indent=2)}  # written with the folder, in one atomic save
     if vocab is not None:  # a standard HF folder with the full head, and the subset beside it
@@ -149,8 +165,9 @@ def _held_out(trainer: L.Trainer, module: DistillModule, datamodule: DistillData
 
 
 def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule):
-    """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones most frequent in
-    the target's training responses (FR-Spec); returns (their ids, the full head to restore), else Nones."""
+    """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones the target writes most
+    often on the training rows (FR-Spec; `train_responses`); returns (their ids, the full head to restore), else
+    Nones."""
     size = d.get("draft_vocab")
     if size is None:
         return None, None
@@ -181,7 +198,15 @@ def _trainable(model, d: DictConfig):
             raise SpecPolicyError("LoRA would leave a feature-fusing draft's fusion layer untrained; "
                                   "unset distill.lora")
 
-        model = get_peft_model(model, instantiate(d.lora))
+        config = instantiate(d.lora)
+        head = model.get_output_embeddings()
+        if isinstance(head, SubsetHead):  # peft's all-linear spares the head, not the Linear inside a subset head,
+            # whose adapter would be merged into a copy the saved folder drops (`restore_full_head`)
+            name = next(n for n, m in model.named_modules() if m is head.subset)
+            excluded = config.exclude_modules
+            config.exclude_modules = (f"(?:{excluded})|{re.escape(name)}" if isinstance(excluded, str)
+                                      else [*(excluded or []), name])
+        model = get_peft_model(model, config)
     return model
 
 
@@ -233,8 +258,8 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
                              cached_targets=d.target_probs == "cached", seed=cfg.seed, test_prompts=test)
 
 
-def _trainer(cfg: DictConfig) -> L.Trainer:
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c] + list(extra)
     logger = experiment_logger(cfg) or False
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
