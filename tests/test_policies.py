@@ -458,8 +458,10 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
     draft = LayerSubsetDraft([0, 1]).build(target).model
     profile = measure(target.model, draft, rows=[1, 2], tokens=[1, 2], context=8, repeats=1, dtype="float32")
     with pytest.raises(SpecPolicyError, match="overhead_rounds must be >= 1"):
-        drafting_overhead(target.model, draft, profile, steps=8, rounds=0)
-    free = drafting_overhead(target.model, draft, profile, steps=8)
+        drafting_overhead(target.model, draft, profile, steps=32, rounds=0)
+    with pytest.raises(SpecPolicyError, match="overhead_steps=4 new tokens leave no steady step"):
+        drafting_overhead(target.model, draft, profile, steps=4)
+    free = drafting_overhead(target.model, draft, profile, steps=32)
     assert len(free) == 2 and all(abs(ms) < 10 for ms in free), free
 
     propose = sampling.propose
@@ -469,11 +471,49 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
         return propose(*args, **kwargs)
 
     monkeypatch.setattr(sampling, "propose", slow_propose)
-    profile.draft_step_overhead_ms = drafting_overhead(target.model, draft, profile, steps=8)
+    profile.draft_step_overhead_ms = drafting_overhead(target.model, draft, profile, steps=32, rounds=1)
     cost = CostModel(profile)
     assert all(cost.step_ms(rows, 1) > 5 * cost.step_ms(rows, 0) for rows in (1, 2))
     result = Engine(target.model, draft, max_new_tokens=5, eos_token_id=[]).generate([[1, 2, 3]], StaticPolicy(k=1))
     assert len(result.stats.step_s) == result.stats.steps
+
+
+def test_the_overhead_probe_times_only_steady_steps_of_a_full_batch(tiny_model) -> None:
+    """The probe alternates depth 1 and 0 within one run, so a slow spell of the machine lands on both; it times
+    a step only where the step before ran at its depth (a drafting step whose draft reads no more than steady
+    drafting leaves it), every row is in flight, and no row's depth was clamped by its last tokens."""
+    from specpolicy.cost.overhead import BLOCK, WARM_STEPS, _AlternatingProbe
+    from specpolicy.models.draft import LayerSubsetDraft
+
+    target = tiny_model()
+    draft = LayerSubsetDraft([0, 1]).build(target).model
+
+    class Seen(_AlternatingProbe):  # what each step's policy calls were told
+        def reset(self, batch_size: int) -> None:
+            super().reset(batch_size)
+            self.seen = []
+
+        def budget(self, state: StepState) -> torch.Tensor:
+            self.seen.append([state.rows, state.unread])
+            return super().budget(state)
+
+        def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+            self.seen[-1].append(drafted.tolist())
+
+    probe = Seen(k=1, max_new_tokens=32)
+    stats = Engine(target.model, draft, max_new_tokens=32, eos_token_id=[]).generate([[1, 2, 3], [4, 5]], probe).stats
+    seen = probe.seen
+    assert len(probe.depths) == len(stats.step_s) == len(seen)
+    assert probe.depths[:2 * BLOCK] == [1] * BLOCK + [0] * BLOCK
+    timed = [i for i, t in enumerate(probe.timed) if t]
+    assert {probe.depths[i] for i in timed} == {0, 1} and len(timed) >= 8
+    for i in timed:
+        rows, unread, drafted = seen[i]
+        assert i >= WARM_STEPS and probe.depths[i - 1] == probe.depths[i]
+        assert rows == 2 and drafted == [probe.depths[i]] * 2  # nobody clamped, nobody gone
+        if probe.depths[i]:
+            assert unread <= 2  # the bonus token and the accepted draft, nothing older
+    assert not probe.timed[-1]  # the batch's last steps run short
 
 
 def test_the_profile_scores_what_each_model_scores_when_decoding(tiny_model, monkeypatch) -> None:

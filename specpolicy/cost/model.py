@@ -14,9 +14,10 @@ class CostModel:
     """Predicts milliseconds per decode step from a `LatencyProfile`.
 
     A step at depth d >= 1 runs d draft forwards of ~1 token per row and one target forward of d+1
-    tokens per row (the verify pass pays for the longest row), plus the profile's measured correction for a
-    drafting step (sampling, features, bookkeeping; `cost.overhead`); depth 0 is one target forward of 1
-    token. Between measured points the curve is interpolated bilinearly (log2 rows x tokens), and
+    tokens per row (the verify pass pays for the longest row), plus the profile's measured drafting
+    correction (sampling, features, bookkeeping; `cost.overhead`) once per draft position, as sampling and
+    features are paid; it is measured at depth 1, where position and step coincide. Depth 0 is one target
+    forward of 1 token. Between measured points the curve is interpolated bilinearly (log2 rows x tokens), and
     clamped outside the grid: steps in the curve stay steps, never smoothed into a line. They are real:
     on a 2-core CPU in fp32 (through `nn.Linear`, before `models.skinny`) a SmolLM2-135M forward of 3
     tokens took 126 ms and of 4 tokens 98 ms (the matmul kernel changes with the row count), so the

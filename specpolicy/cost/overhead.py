@@ -5,20 +5,27 @@ draft's confidence features, asks the policy, lets the draft read the tokens com
 forward, and settles one more token per row. On a 2-core AVX-512 CPU in bf16, static depth 1 ran 5-9%
 slower than the bare forwards predicted at batch 1-4, which turned the cost model's small predicted gains
 at batch 2-4 into measured losses. So the profile stage also runs the engine itself at each of the
-profile's row counts, once at depth 0 and once drafting one token per step with features (as `goodput` and
-`learned` draft), and records how much more the drafting step took than the grid predicts.
+profile's row counts, drafting one token per step with features (as `goodput` and `learned` draft) and not
+drafting, and records how much more the drafting step took than the grid predicts.
 
-The machine's speed drifts between the grid and these runs, and between runs: on a 2-core VM in bf16 a
-plain step at batch 1 took 23.0-23.5 ms an hour after the grid timed its forward at 19.7 ms, so the
-difference of the step times (5.3-6.1 ms in six rounds) read 1.0-1.7 ms of overhead that was mostly the
-drift scaling the draft forward and the wider verify. The runs therefore alternate for `rounds` rounds, each
-round gives the ratio of the median drafting step to the median plain step, and the median ratio, put on
-the grid's own plain step, is the drafting step the grid should have predicted (0.4 ms over it at batch 1
-with those six rounds). That ratio is also what a policy's choice between drafting and not turns on: the
-engine's fixed per-step work, which the grid leaves out of both, makes drafting relatively cheaper, and the
-correction takes that in. It may be negative (the grid keeps each cell's fastest round), but a draft
-position never costs less than nothing, so it stops at minus the draft forward. With 12 timed steps the
-correction at 4 rows ranged over 0.1-6.3 ms in three runs, with 48 over 4.5-5.1 ms.
+The machine's speed drifts between the grid and these runs, and within them: on a 2-core VM in bf16 a plain
+step at batch 1 took 23.0-23.5 ms an hour after the grid timed its forward at 19.7 ms. So the correction is
+a ratio, the median drafting step over the median plain step, put on the grid's own plain step: the drafting
+step the grid should have predicted. That ratio is also what a policy's choice between drafting and not
+turns on: the engine's fixed per-step work, which the grid leaves out of both, makes drafting relatively
+cheaper, and the correction takes that in. It may be negative (the grid keeps each cell's fastest round),
+but a draft position never costs less than nothing, so it stops at minus the draft forward.
+
+Until 2026-12-06 each round ran a plain run and then a drafting run, seconds apart at large batches, and
+slow spells of the VM between the two moved the ratio: at 2 rows on an AVX2 VM three profiles read -3.1,
++0.3 and +8.1 ms, enough to flip `learned` between drafting and not at that load. Now one run alternates:
+`BLOCK` steps at depth 1, `BLOCK` at depth 0, and so on, and times a step only where it decodes at the depth
+of the step before (so a drafting step's draft reads what steady drafting reads, not the extra token a plain
+step left it) with every row in flight and none clamped short by its last tokens. A slow spell then lands on
+both depths alike. Each of `rounds` runs gives a ratio; their median is the one used. Side by side on a 2-core
+AVX-512 VM (SmolLM2-135M and the demo's draft, three estimates each at 1/2/4/8/16 rows), the estimates spread
+over 1.2/1.0/3.1/10.5/5.6 ms, against 1.1/1.0/5.7/6.4/15.9 ms with separate runs, in less time (135 s vs
+148 s): narrower in all but one outlier at 8 rows, so still worth reading against the grid.
 """
 
 from __future__ import annotations
@@ -33,40 +40,63 @@ from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile
 from specpolicy.decode import Engine
 from specpolicy.errors import SpecPolicyError
-from specpolicy.policy import ArPolicy, StaticPolicy
+from specpolicy.policy import StaticPolicy, StepState
 
 WARM_STEPS = 2  # the first steps read the prompts (a fusing draft reads them one step later)
+BLOCK = 4  # steps at one depth before switching: (BLOCK - 1) / BLOCK of the steps are timed
 
 
-class _DraftingProbe(StaticPolicy):
-    """Depth 1 at every step, reading the draft's features as the goodput-driven policies do."""
+class _AlternatingProbe(StaticPolicy):
+    """Depth k for `BLOCK` steps, 0 for `BLOCK`, and so on, reading the draft's features as the goodput-driven
+    policies do; notes each step's depth and whether it is timed."""
 
     reads_features = True
+
+    def __init__(self, k: int, max_new_tokens: int):
+        super().__init__(k=k)
+        self.max_new_tokens = max_new_tokens
+
+    def reset(self, batch_size: int) -> None:
+        self.batch_size, self.depths, self.timed = batch_size, [], []
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        step = len(self.depths)
+        depth = 0 if (step // BLOCK) % 2 else self.k
+        steady = step >= WARM_STEPS and self.depths[-1] == depth
+        # the engine clamps a row's depth to its tokens left minus one, and a finished row leaves the batch
+        whole = state.rows == self.batch_size and int(state.generated.max()) + self.k < self.max_new_tokens
+        self.depths.append(depth)
+        self.timed.append(steady and whole)
+        return torch.full_like(state.generated, depth)
+
+
+def step_ratio(step_s: list[float], probe: _AlternatingProbe) -> float:
+    """The median timed drafting step over the median timed plain step of one alternating run."""
+    steps = step_s[-len(probe.depths):]  # a fusing draft's first step decides nothing (`Engine._step`)
+    times = {depth: [s for s, d, t in zip(steps, probe.depths, probe.timed) if t and d == depth]
+             for depth in (probe.k, 0)}
+    if not all(times.values()):
+        raise SpecPolicyError(f"profile.overhead_steps={probe.max_new_tokens} new tokens leave no steady step "
+                              f"of each depth to time; use at least {8 * BLOCK}")
+    return statistics.median(times[probe.k]) / statistics.median(times[0])
 
 
 def drafting_overhead(target: PreTrainedModel, draft: PreTrainedModel, profile: LatencyProfile, steps: int,
                       rounds: int = 3, seed: int = 0) -> list[float]:
-    """Milliseconds per drafting step beyond the profiled forwards, for each of `profile.rows`, from `rounds` runs
-    of each policy on random prompts of `profile.context` tokens. Each run makes `steps` + `WARM_STEPS` new
-    tokens and times its steps after the first `WARM_STEPS`: a drafting run keeps up to two tokens a step, so it
-    times between `steps` / 2 and `steps` of them, and its last may not draft (one token left), which their
-    median shrugs off."""
+    """Milliseconds per drafting step beyond the profiled forwards, for each of `profile.rows`, from `rounds`
+    alternating runs of `steps` new tokens on random prompts of `profile.context` tokens."""
     if rounds < 1:
         raise SpecPolicyError(f"profile.overhead_rounds must be >= 1 (or profile.overhead_steps=0 to skip), "
                               f"got {rounds}")
     cost = CostModel(profile)
-    engine = Engine(target, draft, max_new_tokens=steps + WARM_STEPS, eos_token_id=[])  # no row ends early
+    engine = Engine(target, draft, max_new_tokens=steps, eos_token_id=[])  # no row ends early
+    probe = _AlternatingProbe(k=1, max_new_tokens=steps)
     generator = torch.Generator().manual_seed(seed)
     overhead = []
     for rows in tqdm(profile.rows, desc="profile (drafting overhead)"):
         prompts = torch.randint(0, target.config.vocab_size, (rows, profile.context), generator=generator).tolist()
-        policies = ArPolicy(), _DraftingProbe(k=1)
-        ratios = []
-        for r in range(rounds):  # alternating which runs first, so a drift within the round favours neither
-            order = (0, 1) if r % 2 == 0 else (1, 0)
-            step = {i: statistics.median(engine.generate(prompts, policies[i]).stats.step_s[WARM_STEPS:])
-                    for i in order}
-            ratios.append(step[1] / step[0])
-        drafting = cost.step_ms(rows, 0) * statistics.median(ratios)
+        ratio = statistics.median(step_ratio(engine.generate(prompts, probe).stats.step_s, probe)
+                                  for _ in range(rounds))
+        drafting = cost.step_ms(rows, 0) * ratio
         overhead.append(max(drafting - cost.step_ms(rows, 1), -cost.forward_ms("draft", rows, 1)))
     return overhead
