@@ -234,6 +234,26 @@ def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(share
         _datamodule(clash, target, instantiate(clash.draft).build(target))
 
 
+def test_synthetic_openings_come_from_train_prompts_only(shared, tmp_path, monkeypatch):
+    """A train row that is also a validation row is not trained on, and its first words open no synthetic prompt."""
+    rows = [{"prompt": p, "split": "train" if i < 12 else "validation"} for i, p in enumerate(PROMPTS)]
+    rows.append({"prompt": "Count to nine please.", "split": "train"})
+    rows.append({"prompt": "Count to nine please.", "split": "validation"})
+    (tmp_path / "overlap.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    seen = []
+
+    def sample(self, model, tokenizer, openings=()) -> list[str]:
+        seen.extend(openings)
+        return ["Say q."]
+
+    monkeypatch.setattr(PromptSynthesis, "sample", sample)
+    cfg = _cfg(shared, "openings", f"data.prompts_file={tmp_path / 'overlap.jsonl'}", "distill/synthetic=openings",
+               "distill.data.test_prompts=0")
+    target = instantiate(cfg.target, dtype="float32").load()
+    _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    assert seen and not any(o.startswith("Count") for o in seen)
+
+
 def test_a_prompt_set_without_a_test_split_says_how_to_go_without(shared, tmp_path):
     rows = [{"prompt": p, "split": "train" if i < 12 else "validation"} for i, p in enumerate(PROMPTS)]
     (tmp_path / "no_test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))

@@ -223,20 +223,15 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
             groups["test"] = instantiate(cfg.data, split="test", limit=data.test_prompts).load()
         except SpecPolicyError as err:
             raise SpecPolicyError(f"{err}; or set distill.data.test_prompts=0 to report no test metrics") from None
-    training = ["train"] if train else []
+    held_out = {json.dumps(c) for split in ("validation", "test") for c in groups.get(split, ())}
+    if train:  # before its first words open synthetic prompts
+        _keep_apart(groups, "train", held_out)
     for name, synthesis in (d.get("synthetic") or {}).items() if train else ():  # written by the target
         if name in groups:
             raise SpecPolicyError(f"distill.synthetic.{name} clashes with the {name!r} prompts; rename the entry")
         synthesis = instantiate(synthesis)
         groups[name] = synthesis.conversations(target.model, tokenizer, cfg.paths.cache_dir, groups["train"])
-        training.append(name)
-    held_out = {json.dumps(c) for split in ("validation", "test") for c in groups.get(split, ())}
-    for name in training:  # held out stays held out; a prompts file without a `split` column is every split
-        kept = [c for c in groups[name] if json.dumps(c) not in held_out]
-        if len(kept) < len(groups[name]):
-            log.warning("distil: %d of %d %s prompts are also validation or test prompts; not trained on",
-                        len(groups[name]) - len(kept), len(groups[name]), name)
-        groups[name] = kept
+        _keep_apart(groups, name, held_out)
     if train and not groups["train"]:
         raise SpecPolicyError("every train prompt is also a validation or test prompt (a prompts file without a "
                               "`split` column serves every split); give its rows a `split`: train, validation or test")
@@ -256,6 +251,15 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
     return DistillDataModule(data, target.model, draft.model, prompts, val,
                              cfg.paths.cache_dir, d.batch_size, d.max_length, pad_id,
                              cached_targets=d.target_probs == "cached", seed=cfg.seed, test_prompts=test)
+
+
+def _keep_apart(groups: dict[str, list], name: str, held_out: set[str]) -> None:
+    """Held out stays held out: a prompts file without a `split` column is every split."""
+    kept = [c for c in groups[name] if json.dumps(c) not in held_out]
+    if len(kept) < len(groups[name]):
+        log.warning("distil: %d of %d %s prompts are also validation or test prompts; not trained on",
+                    len(groups[name]) - len(kept), len(groups[name]), name)
+    groups[name] = kept
 
 
 def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
