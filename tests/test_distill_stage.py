@@ -194,6 +194,21 @@ def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_w
         check_distil(online)
 
 
+def test_a_saved_draft_with_a_vocabulary_is_not_distilled_half_narrowed(shared, tmp_path):
+    """A folder with draft_vocab.json loads with its subset head and without the full head: training it saved a
+    folder whose head was neither (with distill.draft_vocab set, it failed with an AttributeError)."""
+    from specpolicy.models.loading import save_model
+    from specpolicy.models.vocab import VOCAB_FILE, frequent_tokens, vocab_file_text
+
+    cfg = _cfg(shared, "again", "draft=pretrained", f"draft.source.path={tmp_path / 'd'}")
+    target = instantiate(cfg.target, dtype="float32").load()
+    built = instantiate(_cfg(shared, "again", "draft.layers=[0,-1]").draft).build(target)
+    vocab = frequent_tokens([], 64, target.model.config.vocab_size)
+    save_model(tmp_path / "d", built.model, built.tokenizer, {VOCAB_FILE: vocab_file_text(vocab)})
+    with pytest.raises(SpecPolicyError, match="scores 64 tokens .*set distill.draft_vocab=64"):
+        distil(cfg)
+
+
 def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):
     distil(_cfg(shared, "bf16", "draft.layers=[0,-1]", "runtime.dtype=bfloat16", "trainer.max_steps=2",
                 "trainer.val_check_interval=2"))

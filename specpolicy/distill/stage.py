@@ -35,6 +35,7 @@ from specpolicy.models.vocab import (
     SubsetHead,
     frequent_tokens,
     restore_full_head,
+    subset_of,
     use_subset_head,
     vocab_file_text,
 )
@@ -94,6 +95,11 @@ def distil(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
     draft = instantiate(cfg.draft).build(target)
+    subset = subset_of(draft.model)
+    if subset is not None:  # a saved draft with its draft_vocab.json: the full head it would need is not loaded
+        raise SpecPolicyError(f"the draft at {cfg.draft.source.path} scores {len(subset)} tokens ({VOCAB_FILE}); to "
+                              f"distil it further, point draft.source.path at a copy of the folder without "
+                              f"{VOCAB_FILE} and set distill.draft_vocab={len(subset)} distill.freeze_embeddings=true")
     if d.unroll and not fuses_features(draft.model):
         raise SpecPolicyError(f"distill.unroll={d.unroll}: it trains a feature-fusing draft on its own states; "
                               f"set draft_fuse_features=true, or distill.unroll=0")
