@@ -25,7 +25,7 @@ step left it) with every row in flight and none clamped short by its last tokens
 both depths alike. Each of `rounds` runs gives a ratio; their median is the one used. Side by side on a 2-core
 AVX-512 VM (SmolLM2-135M and the demo's draft, three estimates each at 1/2/4/8/16 rows), the estimates spread
 over 1.2/1.0/3.1/10.5/5.6 ms, against 1.1/1.0/5.7/6.4/15.9 ms with separate runs, in less time (135 s vs
-148 s): narrower in all but one outlier at 8 rows, so still worth reading against the grid.
+148 s): narrower at 4 and 16 rows, alike at 1-2, wider at 8 (one outlier). Better posed, still noisy.
 """
 
 from __future__ import annotations
