@@ -6,7 +6,6 @@ skipped when its output exists, so `scripts/train.py` can be rerun after an inte
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -22,7 +21,7 @@ from specpolicy.atomic import atomic_path, written
 from specpolicy.cli import experiment_logger, fit
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
-from specpolicy.data import encode_prompts
+from specpolicy.data import encode_prompts, without
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError, check_count, check_counts, check_number, check_trainer
 from specpolicy.models import LoadedModel, check_compatible
@@ -148,8 +147,7 @@ def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
 def _not_evaluated(cfg: DictConfig, conversations: list) -> list:
     """Without the prompts evaluate.py decodes (`data` as configured): a prompts file without a `split` column
     serves every split, and a head trained on the evaluation's own sequences would be scored on them."""
-    evaluated = {json.dumps(c) for c in instantiate(cfg.data, limit=None).load()}
-    kept = [c for c in conversations if json.dumps(c) not in evaluated]
+    kept = without(conversations, instantiate(cfg.data, limit=None).load())
     if not kept:
         raise SpecPolicyError(f"every rollout prompt is also an evaluation prompt (data.split={cfg.data.split}; a "
                               f"prompts file without a `split` column is every split); give its rows a `split`: "

@@ -7,6 +7,7 @@ templates are applied by the tokenizer in `encode_prompts`, never by hand.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,13 @@ def _conversation(row: dict[str, Any], index: int, source: str) -> Conversation:
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return [{"role": "user", "content": row["prompt"]}]
     raise SpecPolicyError(f"row {index} of {source} has neither a non-empty 'prompt' string nor a 'messages' list")
+
+
+def without(conversations: list[Conversation], excluded: list[Conversation]) -> list[Conversation]:
+    """`conversations` minus those also in `excluded`, compared whole: a prompts file without a `split` column
+    serves every split, so held-out prompts must be taken out of what trains by value."""
+    seen = {json.dumps(c) for c in excluded}
+    return [c for c in conversations if json.dumps(c) not in seen]
 
 
 def encode_prompts(

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import written
 from specpolicy.cli import experiment_logger, fit
-from specpolicy.data import encode_prompts
+from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
@@ -229,7 +229,7 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
             groups["test"] = instantiate(cfg.data, split="test", limit=data.test_prompts).load()
         except SpecPolicyError as err:
             raise SpecPolicyError(f"{err}; or set distill.data.test_prompts=0 to report no test metrics") from None
-    held_out = {json.dumps(c) for split in ("validation", "test") for c in groups.get(split, ())}
+    held_out = [c for split in ("validation", "test") for c in groups.get(split, ())]
     if train:  # before its first words open synthetic prompts
         _keep_apart(groups, "train", held_out)
     for name, synthesis in (d.get("synthetic") or {}).items() if train else ():  # written by the target
@@ -259,9 +259,9 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
                              cached_targets=d.target_probs == "cached", seed=cfg.seed, test_prompts=test)
 
 
-def _keep_apart(groups: dict[str, list], name: str, held_out: set[str]) -> None:
-    """Held out stays held out: a prompts file without a `split` column is every split."""
-    kept = [c for c in groups[name] if json.dumps(c) not in held_out]
+def _keep_apart(groups: dict[str, list], name: str, held_out: list) -> None:
+    """Held out stays held out (`without`), with a warning when it takes any out of group `name`."""
+    kept = without(groups[name], held_out)
     if len(kept) < len(groups[name]):
         log.warning("distil: %d of %d %s prompts are also validation or test prompts; not trained on",
                     len(groups[name]) - len(kept), len(groups[name]), name)
