@@ -31,6 +31,7 @@ class RaggedCache(Cache):
         self.values: dict[int, torch.Tensor] = {}
         self._write_index: torch.Tensor | None = None  # [B, W] slots the current forward writes
         self._kv_len = 0
+        self._width = 0
         self._rows = slice(None)
 
     def begin(self, starts: torch.Tensor, width: int, kv_len: int, rows: slice = slice(None)) -> None:
@@ -39,6 +40,7 @@ class RaggedCache(Cache):
         slots = starts[:, None] + torch.arange(width, device=starts.device)  # [B, W]
         self._write_index = slots.clamp(max=self.capacity - 1)
         self._kv_len = min(kv_len, self.capacity)
+        self._width = width
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx not in self.keys:
@@ -65,6 +67,12 @@ class RaggedCache(Cache):
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         return self._kv_len, 0
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Where the first query sits when a single row reads (its `kv_len` is then its start + W), for transformers'
+        own mask. The base Cache says `get_seq_length()`, i.e. after the W new keys: eager attention then let a prefill
+        see its own future. Batched forwards pass their own 4D mask, which transformers takes as it is."""
+        return self._kv_len - self._width
+
 
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
@@ -77,17 +85,16 @@ def forward(
 
     Only the kept positions go through the LM head, so a long prefill does not pay W x vocab logits.
     The 4D mask lets query i of row b see cache slots 0..starts[b]+i, i.e. its own prefix only. A single row
-    (whose `kv_len` the engine sets to its start + W) that reads one token, or its first W, gets none: then
-    transformers' own mask is the same (none, or SDPA's causal flag) and faster, by 0.3-1% of a decode step
-    and 2% of a 100-token prefill (SmolLM2-135M, fp32 CPU). With a past and W > 1, or a sliding window,
-    its mask is wrong with this cache (it puts the first query at `kv_len`, the base Cache's query offset),
-    so those get ours.
+    (whose `kv_len` the engine sets to its start + W) without a sliding window gets none: transformers' own mask,
+    placed by `RaggedCache.get_query_offset`, is the same, and for one token or a prefill (none, or SDPA's causal
+    flag) faster, by 0.3-1% of a decode step and 2% of a 100-token prefill (SmolLM2-135M, fp32 CPU). Sliding
+    windows always get ours.
     """
     B, W = tokens.shape
     cache.begin(starts, W, kv_len, rows)
     positions = starts[:, None] + torch.arange(W, device=tokens.device)  # [B, W]
     mask, window = None, sliding_window(model.config)
-    if B > 1 or (W > 1 and kv_len > W) or window is not None:
+    if B > 1 or window is not None:
         keys = torch.arange(cache._kv_len, device=tokens.device)
         behind = (positions[:, :, None] - keys[None, None, :])[:, None]  # [B, 1, W, T] how far each key lies behind
         mask = layer_masks(model.config, window, behind >= 0, behind, model.dtype)  # each query: its own prefix

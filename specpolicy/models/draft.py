@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from specpolicy.cost.flops import FlopModel
-from specpolicy.errors import SpecPolicyError, check_count
+from specpolicy.errors import SpecPolicyError, check_count, check_int
 from specpolicy.models.compat import check_compatible
 from specpolicy.models.fusion import attach_fusion
 from specpolicy.models.loading import LoadedModel, PretrainedSource
@@ -45,6 +46,12 @@ class LayerSubsetDraft:
     layers: list[int]
     fuse_features: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, Sequence) or isinstance(self.layers, str):  # `draft_layers=3`
+            raise SpecPolicyError(f"draft.layers must be a list of target layer indices, e.g. [{self.layers}], "
+                                  f"got {self.layers!r}")
+        self.layers = [check_int(f"draft.layers[{j}]", i) for j, i in enumerate(self.layers)]
+
     def build(self, target: LoadedModel) -> LoadedModel:
         source = decoder_layers(target.model)
         n = len(source)
@@ -54,10 +61,7 @@ class LayerSubsetDraft:
             raise SpecPolicyError(f"draft.layers={list(self.layers)} indexes outside the target's {n} layers") from None
         if not picked:
             raise SpecPolicyError("draft.layers is empty; list at least one target layer index")
-        config = copy.deepcopy(target.model.config)
-        config.num_hidden_layers = len(picked)
-        if getattr(config, "layer_types", None):
-            config.layer_types = [config.layer_types[i] for i in self.layers]
+        config = _pick_layers(target.model.config, self.layers)
         draft = _empty_like(target.model, config)
         prefix = _layer_prefix(target.model, source)
         state = {k: v for k, v in target.model.state_dict().items() if not k.startswith(prefix)}
@@ -72,6 +76,19 @@ class LayerSubsetDraft:
         built = LoadedModel(draft, target.tokenizer, f"{target.name}-{kind}{'_'.join(map(str, indices))}")
         built.cost = describe_cost(target, built)
         return built
+
+
+def _pick_layers(config, layers: Sequence[int]):
+    """A copy of `config` for a model of the target's `layers`: every list with one entry per target layer
+    (`layer_types`, SmolLM3's `no_rope_layers`, ...: those as long as the layer stack, token ids aside) keeps
+    the entries of those layers, so each layer keeps the attention, RoPE and MLP kind its weights were trained in."""
+    n = config.num_hidden_layers
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = len(layers)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == n and not key.startswith("_") and "token_id" not in key:
+            setattr(config, key, [value[i] for i in layers])
+    return config
 
 
 def _empty_like(target: torch.nn.Module, config) -> torch.nn.Module:
@@ -149,7 +166,10 @@ class FreshDraft:
         return built
 
     def _config(self, target_config):
-        config = copy.deepcopy(target_config)
+        if self.num_hidden_layers > target_config.num_hidden_layers:
+            raise SpecPolicyError(f"draft.num_hidden_layers={self.num_hidden_layers} is deeper than the target's "
+                                  f"{target_config.num_hidden_layers}")
+        config = _pick_layers(target_config, range(self.num_hidden_layers))  # the first layers' kinds
         hidden = self.hidden_size or config.hidden_size
         heads = self.num_attention_heads or config.num_attention_heads
         kv_heads = self.num_key_value_heads or min(getattr(config, "num_key_value_heads", heads) or heads, heads)
@@ -159,13 +179,11 @@ class FreshDraft:
         if self.hidden_size and self.hidden_size > target_config.hidden_size:
             raise SpecPolicyError(f"draft.hidden_size={hidden} is wider than the target's {target_config.hidden_size}")
         scale = hidden / config.hidden_size
-        config.num_hidden_layers, config.hidden_size = self.num_hidden_layers, hidden
-        config.num_attention_heads, config.num_key_value_heads = heads, kv_heads
+        narrowed = (hidden, heads) != (config.hidden_size, config.num_attention_heads)
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads = hidden, heads, kv_heads
         config.intermediate_size = self.intermediate_size or int(config.intermediate_size * scale)
-        if getattr(config, "head_dim", None):
+        if getattr(config, "head_dim", None) and narrowed:  # else the target's, which need not be hidden / heads
             config.head_dim = hidden // heads
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[: self.num_hidden_layers]
         return config
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
 
 from specpolicy.models.fusion import unwrap
 from specpolicy.models.loading import LoadedModel
@@ -77,12 +78,29 @@ def restore_full_head(model: torch.nn.Module, full: torch.nn.Module) -> None:
 
 
 def scorer(model: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
-    """What scores `model`'s hidden states over the tokens it can write, and the token id of each score
-    (None: the whole vocabulary, in id order). A `SubsetHead` scores its subset only, so a caller that works
-    in the subset's own index (the decode engine drafting, distillation's loss) never builds, reads or
-    softmaxes [..., 49k] logits that are -inf outside it."""
-    head = unwrap(model).get_output_embeddings()
-    return (head.scores, head.token_ids) if isinstance(head, SubsetHead) else (head, None)
+    """What scores `model`'s hidden states over the tokens it can write, as its own forward does (`rescale`), and
+    the token id of each score (None: the whole vocabulary, in id order). A `SubsetHead` scores its subset only, so
+    a caller that works in the subset's own index (the decode engine drafting, distillation's loss) never builds,
+    reads or softmaxes [..., 49k] logits that are -inf outside it."""
+    hf = unwrap(model)
+    head = hf.get_output_embeddings()
+    score, ids = (head.scores, head.token_ids) if isinstance(head, SubsetHead) else (head, None)
+    return (lambda hidden: rescale(hf.config, score(hidden))), ids
+
+
+def rescale(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """What a family's `ForCausalLM.forward` (transformers 5.x) does to its LM head's output, op for op: callers that
+    run the head alone would otherwise sample from, and distil towards, other distributions (greedy is unaffected).
+    Granite divides by `logits_scaling` (MiniCPM3 divides the hidden states, the same for a linear head; HyperCLOVA X
+    multiplies), Cohere multiplies by `logit_scale` (MPT's config has one that its forward ignores), Gemma 2-4 cap
+    with tanh at `final_logit_softcapping`."""
+    if (scaling := getattr(config, "logits_scaling", None)) not in (None, 1):
+        logits = logits * scaling if config.model_type == "hyperclovax" else logits / scaling
+    if (scale := getattr(config, "logit_scale", None)) not in (None, 1) and config.model_type != "mpt":
+        logits = logits * scale
+    if (cap := getattr(config, "final_logit_softcapping", None)) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def subset_of(model: torch.nn.Module) -> torch.Tensor | None:

@@ -1,0 +1,87 @@
+"""Families and settings beyond the tiny llama/qwen2 defaults: the engine computes what the model's own forward does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from specpolicy.decode import Engine
+from specpolicy.decode.cache import RaggedCache, forward
+from specpolicy.models.draft import FreshDraft, LayerSubsetDraft
+from specpolicy.policy import ArPolicy, StaticPolicy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_eager_attention_decodes_as_generate(tiny_model) -> None:
+    """Eager attention builds transformers' mask where SDPA uses its causal flag: a single row's prefill saw its
+    own future (the base Cache puts the first query after the new keys), so batch 1 decoded other tokens."""
+    target = tiny_model("llama", attn_implementation="eager")
+    assert target.model.config._attn_implementation == "eager"
+    draft = LayerSubsetDraft(layers=[0, 1, 2]).build(target)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (11, 3, 7)]
+    refs = [target.model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    engine = Engine(target.model, draft.model, max_new_tokens=10, eos_token_id=[])
+    for rows in ([0], [1], [0, 1, 2]):
+        for policy in (ArPolicy(), StaticPolicy(k=3)):
+            outputs = engine.generate([prompts[r] for r in rows], policy).outputs
+            assert outputs == [refs[r] for r in rows], (rows, policy)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("granite", {"logits_scaling": 4.0}),  # logits / 4
+    ("cohere", {"logit_scale": 0.5}),  # logits * 0.5
+    ("gemma2", {"final_logit_softcapping": 2.0, "head_dim": 16}),  # 2 tanh(logits / 2), sliding-window layers
+])
+def test_engine_logits_are_the_models_own(tiny_model, family: str, config: dict) -> None:
+    """Families whose forward rescales the LM head's output: the engine's logits (which run the head alone) must be
+    rescaled alike, or sampling draws from another distribution. A single row, then two rows at other offsets."""
+    model = tiny_model(family, **config).model
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()  # [2, 9, V]
+        cache = RaggedCache(1, 16)
+        logits, _ = forward(model, cache, ids[:1], torch.zeros(1, dtype=torch.long, device=DEVICE), 9,
+                            torch.arange(9, device=DEVICE)[None], 15)
+        torch.testing.assert_close(logits, expected[:1], atol=1e-4, rtol=1e-4)  # GEMMs of other shapes round apart
+        cache = RaggedCache(2, 16)  # row 1 reads its first 4 tokens, then both rows read on from their own offsets
+        forward(model, cache, ids[1:, :4], torch.zeros(1, dtype=torch.long, device=DEVICE), 4,
+                torch.zeros(1, 1, dtype=torch.long, device=DEVICE), 15, rows=slice(1, 2))
+        forward(model, cache, ids[:1, :6], torch.zeros(1, dtype=torch.long, device=DEVICE), 6,
+                torch.zeros(1, 1, dtype=torch.long, device=DEVICE), 15, rows=slice(0, 1))
+        starts = torch.tensor([6, 4], device=DEVICE)
+        chunk = torch.stack([ids[0, 6:9], ids[1, 4:7]])  # [2, 3]
+        logits, _ = forward(model, cache, chunk, starts, 9, torch.arange(3, device=DEVICE).expand(2, -1), 15)
+    torch.testing.assert_close(logits, torch.stack([expected[0, 6:9], expected[1, 4:7]]), atol=1e-4, rtol=1e-4)
+
+
+def test_layer_drafts_keep_each_layers_own_kind(tiny_model) -> None:
+    """SmolLM3 skips RoPE in every 4th layer (`no_rope_layers`, one entry per layer): a draft of target layers
+    [3, 0, 1] must skip it in its layer 0, as target layer 3 does, not in its (nonexistent) layer 3."""
+    target = tiny_model("smollm3")
+    assert target.model.config.no_rope_layers == [1, 1, 1, 0]
+    draft = LayerSubsetDraft(layers=[3, 0, 1]).build(target).model
+    assert draft.config.no_rope_layers == [0, 1, 1] and draft.config.layer_types == ["full_attention"] * 3
+    assert [layer.self_attn.use_rope for layer in draft.model.layers] == [0, 1, 1]
+    ids = torch.tensor([[4, 5, 6, 7, 8]], device=DEVICE)
+    with torch.no_grad():  # layer 3 alone, without RoPE, as in the target
+        hidden = target.model.model.embed_tokens(ids)
+        positions = torch.arange(5, device=DEVICE)[None]
+        rope = target.model.model.rotary_emb(hidden, positions)
+        hidden = target.model.model.layers[3](hidden, position_embeddings=rope, position_ids=positions,
+                                               attention_mask=None)
+        expected = target.model.lm_head(target.model.model.norm(hidden))
+        got = LayerSubsetDraft(layers=[3]).build(target).model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fresh_drafts_keep_the_targets_head_dim(tiny_model) -> None:
+    """Qwen3 sets head_dim apart from hidden / heads (here 32, not 64 / 4): a fresh draft of the target's width and
+    heads keeps it; a narrower one derives it from its own sizes."""
+    target = tiny_model("qwen3", head_dim=32)
+    assert FreshDraft(num_hidden_layers=1).build(target).model.config.head_dim == 32
+    narrow = FreshDraft(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    assert narrow.build(target).model.config.head_dim == 16
