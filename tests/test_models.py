@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,36 @@ def test_layer_subset_draft(target) -> None:
         LayerSubsetDraft(layers=[0, 7]).build(target)
 
 
+@pytest.mark.parametrize("layers, message", [
+    (3, r"draft.layers must be a list of target layer indices, e.g. \[3\], got 3"),
+    ([0, 1.5], r"draft.layers\[1\] must be an integer, got 1.5"),
+])
+def test_layer_lists_that_are_not_indices_name_the_setting(target, layers, message: str) -> None:
+    with pytest.raises(SpecPolicyError, match=message):
+        LayerSubsetDraft(layers=layers).build(target)
+
+
+def test_a_fusing_draft_of_another_width_is_refused(target) -> None:
+    """It reads the target's hidden states: at another width its fusion layer fails on the first drafted token."""
+    fused = LayerSubsetDraft([0], fuse_features=True).build(target)
+    narrow = RandomInitSource(model_type="llama", config={**TINY, "hidden_size": 32}, device="cpu").load()
+    with pytest.raises(SpecPolicyError, match=r"its hidden size must be the target's \(target tiny-llama-0: 32, "
+                                              r"draft: 64\)"):
+        check_compatible(narrow, fused)
+    check_compatible(target, fused)
+
+
+def test_bfloat16_weights_keep_float32_buffers_as_drafts_do() -> None:
+    """Only the weights take the dtype: RoPE's inv_freq stays float32 in the target, as in a draft built from its layers
+    (from_config), so a draft of all its layers computes exactly what the target computes."""
+    half = RandomInitSource(model_type="llama", config=TINY, device="cpu", dtype="bfloat16").load()
+    assert half.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert half.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    draft = LayerSubsetDraft(layers=[0, 1, 2, 3]).build(half)
+    ids = torch.arange(3, 103)[None]  # far enough along for a bfloat16 inv_freq to turn the rotations
+    assert torch.equal(draft.model(ids).logits, half.model(ids).logits)
+
+
 def test_drafts_built_from_the_target_stop_where_it_stops() -> None:
     """A target whose generation config ends turns on more ids than its config.json (chat models do): the
     draft, which writes on-policy distillation data, must stop on them too."""
@@ -150,3 +181,27 @@ def test_an_unreadable_gguf_file_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SpecPolicyError, match="cannot read GGUF file .*broken.gguf.*complete GGUF model"):
         PretrainedSource(str(bad), cache_dir=str(tmp_path / "cache")).load()
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+
+
+def test_a_regguffed_file_of_the_same_size_is_converted_again(target, tmp_path: Path, monkeypatch) -> None:
+    """The converted copy is found by the GGUF's content: a re-exported file of the same size (another quantisation
+    of the same shapes) loaded the first file's weights. Parsing is stood in for by two tiny models."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    other = RandomInitSource(model_type="llama", config=TINY, seed=1, device="cpu").load()
+    parsed = {}  # what "parsing" the file returns now
+    for auto, attr in ((AutoModelForCausalLM, "model"), (AutoTokenizer, "tokenizer")):
+        real = auto.from_pretrained
+
+        def from_pretrained(path, *args, gguf_file=None, _real=real, _attr=attr, **kwargs):
+            return copy.deepcopy(getattr(parsed["loaded"], _attr)) if gguf_file else _real(path, *args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", from_pretrained)
+    gguf = tmp_path / "m.gguf"
+    for content, loaded in ((b"a", target), (b"b", other)):
+        gguf.write_bytes(b"GGUF" + content * 64)
+        parsed["loaded"] = loaded
+        model = PretrainedSource(str(gguf), device="cpu", cache_dir=str(tmp_path / "cache")).load().model
+        ids = torch.tensor([[5, 6, 7]])
+        torch.testing.assert_close(model(ids).logits, loaded.model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.fusion import fuses_features
 
 if TYPE_CHECKING:
     from specpolicy.models.loading import LoadedModel
@@ -34,6 +35,13 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         raise SpecPolicyError(
             f"draft context is shorter than the target's (target {target.name}: {target.context_length}, "
             f"draft {draft.name}: {draft.context_length}); use a draft with at least the target's context"
+        )
+    t_width, d_width = target.model.config.hidden_size, draft.model.config.hidden_size
+    if fuses_features(draft.model) and t_width != d_width:
+        raise SpecPolicyError(
+            f"draft {draft.name} reads the target's features, so its hidden size must be the target's (target "
+            f"{target.name}: {t_width}, draft: {d_width}); use the target it was distilled from, or build a fusing "
+            f"draft from this target's layers (draft=layers draft_fuse_features=true)"
         )
     t_param, d_param = next(target.model.parameters()), next(draft.model.parameters())
     if (t_param.device, t_param.dtype) != (d_param.device, d_param.dtype):
