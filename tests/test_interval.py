@@ -34,3 +34,12 @@ def test_too_few_units_give_no_interval():
     units = [(100, 1.0)] * (MIN_UNITS - 1)
     assert ratio_interval(units, units) is None
     assert ratio_interval(units + [(100, 1.0)], units + [(50, 1.0)]) is not None
+
+
+def test_passes_over_the_same_batches_are_not_new_draws():
+    """Three passes over four batches resample four batches, not twelve units: the interval is the one pass's."""
+    rng = np.random.default_rng(2)
+    ar = [(100, 1.0, b) for b in range(4)]
+    policy = [(100, float(s), b) for b, s in enumerate(rng.normal(1.0, 0.05, 4))]
+    assert ratio_interval(policy * 3, ar * 3) == pytest.approx(ratio_interval(policy, ar))
+    assert ratio_interval(policy[:3] * 4, ar[:3] * 4) is None

@@ -15,6 +15,7 @@ import torch
 from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
+from specpolicy.eval.hf_baselines import hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
@@ -101,16 +102,21 @@ def test_repeats_time_every_batch_again_and_keep_one_output_per_prompt(tiny_mode
     model = tiny_model()
     engine = Engine(model.model, model.model, max_new_tokens=4)
     policies = {"oracle": OraclePolicy(k=2), "static_k1": StaticPolicy(k=1), "ar": ArPolicy()}
-    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9, 10, 11]], policies, 2, repeats=3)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12, 13]]
+    runs = side_by_side(engine, prompts, policies, 1, repeats=3)
     assert list(runs)[0] == "ar"
-    assert all(len(run.stats) == 6 and len(run.outputs) == 3 for run in runs.values())
+    assert all(len(run.stats) == 12 and len(run.outputs) == 4 for run in runs.values())
     rows = {row["policy"]: row for row in summarise(runs)}
     assert all(row["first_mismatch"] is None for row in rows.values())
-    # 2 batches x 3 passes: six side-by-side units, enough for an interval around every speedup but ar's own
-    assert rows["ar"]["speedup_interval"] is None and len(rows["ar"]["units"]) == 6
+    # 4 batches x 3 passes: twelve side-by-side units, each naming its batch; four batches give an interval
+    # around every speedup but ar's own
+    assert rows["ar"]["speedup_interval"] is None and [u[2] for u in rows["ar"]["units"]] == [0, 1, 2, 3] * 3
     for name in ("static_k1", "oracle"):
         low, high = rows[name]["speedup_interval"]
         assert low <= rows[name]["speedup"] <= high
+    # 2 batches x 3 passes: six units, but two draws of prompts, too few for an interval
+    rows = {row["policy"]: row for row in summarise(side_by_side(engine, prompts, policies, 2, repeats=3))}
+    assert rows["static_k1"]["speedup_interval"] is None
 
 
 def test_a_policy_s_batches_add_up_whatever_their_sizes(tiny_model) -> None:
@@ -142,16 +148,26 @@ def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_mode
 
     baselines = {"plain": plain, "wrong": lambda batch: ([[0]] * len(batch), 0.25)}
     policies = {"ar": ArPolicy(), "static_k1": StaticPolicy(k=1)}
-    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9, 10, 11]], policies, 2, repeats=2, baselines=baselines)
-    assert calls == [2, 2, 1, 2, 1]  # warm-up, then both batches in each of two passes
+    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9, 10, 11], [5, 6]], policies, 2, repeats=2,
+                        baselines=baselines)
+    assert calls == [2, 2, 2, 2, 2]  # warm-up, then both batches in each of two passes
     rows = {row["policy"]: row for row in summarise(runs)}
     assert rows["plain"]["wall_s"] == 2.0 and rows["plain"]["tokens"] == rows["ar"]["tokens"]
-    assert rows["plain"]["ar_match"] == 1.0 and rows["wrong"]["ar_match"] == 0.0 and rows["wrong"]["tokens"] == 6
+    assert rows["plain"]["ar_match"] == 1.0 and rows["wrong"]["ar_match"] == 0.0 and rows["wrong"]["tokens"] == 8
     assert "first_mismatch" not in rows["wrong"] and report.lossless(meta(), list(rows.values()))["mismatches"] == []
     firsts = {_order({**policies, **baselines}, shift)[0] for shift in range(4)}
     assert firsts == {"ar", "static_k1", "plain", "wrong"}
     with pytest.raises(SpecPolicyError, match="a baseline has a policy's name"):
         side_by_side(engine, [[3, 4]], policies, 1, baselines={"ar": plain})
+
+
+def test_a_last_batch_smaller_than_the_batch_size_is_left_out(tiny_model, caplog) -> None:
+    """3 prompts at batch 2 decoded a 1-row batch too, and reported its speed as batch 2's."""
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=4)
+    runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9]], {"ar": ArPolicy()}, 2)
+    assert [s.batch_size for s in runs["ar"].stats] == [2] and len(runs["ar"].outputs) == 2
+    assert "the last 1 of 3 prompts fill no batch" in caplog.text
 
 
 def test_a_policy_that_writes_another_output_is_caught(tiny_model) -> None:
@@ -220,6 +236,14 @@ def test_greedy_mismatch_is_loud(tmp_path, temperature, loud):
         text = html.unescape((tmp_path / doc).read_text())
         assert ("LOSSLESSNESS VIOLATED" in text and warning in text) == loud, doc
         assert ("Lossless check skipped" in text) != loud, doc
+
+
+def test_hf_generate_pads_with_eos_when_the_tokenizer_has_none(tiny_model) -> None:
+    """Llama 3 and GPT-2 tokenizers have no pad token: ragged batches were rows of None (a TypeError)."""
+    model = tiny_model().model
+    prompts = [[3, 4, 5], [6, 7]]
+    outputs, _ = hf_generate(model, prompts, 4, None, model.generation_config.eos_token_id)
+    assert outputs == Engine(model, max_new_tokens=4).generate(prompts, ArPolicy()).outputs
 
 
 def test_load_aware_policies_are_compared_with_the_best_static_depth():

@@ -24,9 +24,12 @@ def _timed(fn, device: torch.device) -> tuple[list[list[int]], float]:
 
 
 @torch.inference_mode()
-def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int,
+def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int | None,
                 eos_id: int | list[int] | None) -> tuple[list[list[int]], float]:
-    """Greedy `model.generate` on one left-padded batch: generated ids per prompt (cut after EOS) and seconds."""
+    """Greedy `model.generate` on one left-padded batch: generated ids per prompt (cut after EOS) and seconds.
+    A tokenizer without a pad token (Llama 3, GPT-2) pads with EOS, as `generate` itself does; the mask hides it."""
+    if pad_id is None:
+        pad_id = (eos_ids(eos_id) or [0])[0]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)

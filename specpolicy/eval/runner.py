@@ -7,6 +7,7 @@ policies, `hf_generate` once read 1.06x `ar` where an interleaved benchmark read
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from specpolicy.errors import SpecPolicyError, check_count
 from specpolicy.eval.interval import ratio_interval
 from specpolicy.policy import DepthPolicy, OraclePolicy
 
+log = logging.getLogger("specpolicy")
 
 # a decoder outside the engine: one batch of prompts -> (generated ids per prompt, device-synchronised seconds)
 Baseline = Callable[[list[list[int]]], tuple[list[list[int]], float]]
@@ -27,11 +29,11 @@ class BaselineRun:
     """A baseline's timings: it has no drafts or FLOP buckets, only tokens, seconds and outputs."""
     policy: str
     batch_size: int
-    units: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per batch and pass
+    units: list[tuple[int, float, int]] = field(default_factory=list)  # (tokens, seconds, batch) per batch and pass
     outputs: list[list[int]] = field(default_factory=list)
 
-    def add(self, outputs: list[list[int]], seconds: float, keep_outputs: bool) -> None:
-        self.units.append((sum(map(len, outputs)), seconds))
+    def add(self, outputs: list[list[int]], seconds: float, batch: int, keep_outputs: bool) -> None:
+        self.units.append((sum(map(len, outputs)), seconds, batch))
         if keep_outputs:
             self.outputs.extend(outputs)
 
@@ -46,11 +48,12 @@ class PolicyRun:
     upper_bound: bool = False  # knows the target's output (oracle): a bound, not a method
     kind: str = ""  # the policy's class, so reports can find e.g. the best static depth
     stats: list[DecodeStats] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)  # which batch each of `stats` decoded
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
-    def units(self) -> list[tuple[int, float]]:
-        return [(s.tokens, s.wall_s) for s in self.stats]
+    def units(self) -> list[tuple[int, float, int]]:
+        return [(s.tokens, s.wall_s, b) for s, b in zip(self.stats, self.batches)]
 
     def summary(self, ar_tokens_per_s: float | None) -> dict:
         total = DecodeStats.total(self.stats)
@@ -71,9 +74,10 @@ class PolicyRun:
 Run = PolicyRun | BaselineRun
 
 
-def _timing(policy: str, batch_size: int, units: list[tuple[int, float]], ar_tokens_per_s: float | None) -> dict:
+def _timing(policy: str, batch_size: int, units: list[tuple[int, float, int]], ar_tokens_per_s: float | None
+            ) -> dict:
     """Totals and speedup of any decoder, with its per-unit timings kept for intervals (`eval.interval`)."""
-    tokens, wall = sum(t for t, _ in units), sum(s for _, s in units)
+    tokens, wall = sum(u[0] for u in units), sum(u[1] for u in units)
     tps = tokens / wall if wall else 0.0
     return {"policy": policy, "batch_size": batch_size, "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
             "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None, "units": [list(u) for u in units]}
@@ -86,21 +90,25 @@ def side_by_side(
     """Decode `prompts` in batches of `batch_size` with every policy and baseline, `repeats` timed passes
     (outputs are kept from the first). A decoder that always ran first would take the machine's drifts alone
     (`ar`, first in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so
-    the order rotates."""
+    the order rotates. Only full batches are decoded: a smaller last batch would be reported as this batch size."""
     check_count("eval.repeats", repeats)
+    if left := len(prompts) % batch_size:
+        log.warning("batch size %d: the last %d of %d prompts fill no batch and are left out (eval.num_prompts a "
+                    "multiple of every batch size decodes them all)", batch_size, left, len(prompts))
+        prompts = prompts[:-left]
     baselines = baselines or {}
     if clash := sorted(set(policies) & set(baselines)):
         raise SpecPolicyError(f"a baseline has a policy's name: {clash}")
     decoders: dict[str, DepthPolicy | Baseline] = {**policies, **baselines}
     fresh = lambda: {name: _new_run(name, d, batch_size) for name, d in decoders.items()}  # noqa: E731
     # warm-up, untimed, at every batch size (allocator, kernels, caches): every decoder runs the first batch once
-    _decode_batch(engine, prompts[:batch_size], decoders, _order(decoders, 0), fresh())
+    _decode_batch(engine, prompts[:batch_size], 0, decoders, _order(decoders, 0), fresh())
     runs = dict(sorted(fresh().items(), key=lambda item: item[0] != "ar"))  # reports list ar first
     starts = range(0, len(prompts), batch_size)
     for rep in range(repeats):
         for i, start in enumerate(tqdm(starts, desc=f"batch size {batch_size} ({len(runs)} decoders, pass {rep + 1}"
                                                     f"/{repeats})", unit="batch")):
-            _decode_batch(engine, prompts[start : start + batch_size], decoders, _order(decoders, rep + i), runs,
+            _decode_batch(engine, prompts[start : start + batch_size], i, decoders, _order(decoders, rep + i), runs,
                           keep_outputs=rep == 0)
     return runs
 
@@ -118,13 +126,14 @@ def _order(decoders: dict[str, DepthPolicy | Baseline], shift: int) -> list[str]
     return plain[shift:] + plain[:shift] + [name for name in decoders if name not in plain]
 
 
-def _decode_batch(engine: Engine, batch: list[list[int]], decoders: dict[str, DepthPolicy | Baseline],
+def _decode_batch(engine: Engine, batch: list[list[int]], index: int, decoders: dict[str, DepthPolicy | Baseline],
                   names: list[str], runs: dict[str, Run], keep_outputs: bool = True) -> None:
+    """Decode `batch` (the `index`-th of a pass) with each of `names` in turn."""
     reference: list[list[int]] = []
     for name in names:
         decoder, run = decoders[name], runs[name]
         if isinstance(run, BaselineRun):
-            run.add(*decoder(batch), keep_outputs)
+            run.add(*decoder(batch), index, keep_outputs)
             continue
         if isinstance(decoder, OraclePolicy):
             if "ar" not in decoders:
@@ -133,6 +142,7 @@ def _decode_batch(engine: Engine, batch: list[list[int]], decoders: dict[str, De
         result = engine.generate(batch, decoder)
         reference = result.outputs if name == "ar" else reference
         run.stats.append(result.stats)
+        run.batches.append(index)
         if keep_outputs:
             run.outputs.extend(result.outputs)
 
@@ -141,7 +151,8 @@ def summarise(runs: dict[str, Run]) -> list[dict]:
     """One row per decoder. Greedy fp32 decoding must be lossless, so an engine policy's `first_mismatch` with
     `ar` is a bug, reported loudly; a baseline's outputs (other kernels, padded batches) get only `ar_match`,
     the share of prompts with `ar`'s output, which is also what bf16 reports (a k-token pass rounds differently).
-    Each speedup comes with its 95% paired-bootstrap interval over the (batch, pass) units (`eval.interval`)."""
+    Each speedup comes with its 95% paired-bootstrap interval over the batches, passes kept together
+    (`eval.interval`)."""
     ar = runs.get("ar")
     ar_tps = ar.summary(None)["tokens_per_s"] if ar else None
     rows = []

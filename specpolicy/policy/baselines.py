@@ -147,6 +147,8 @@ class OraclePolicy(DepthPolicy):
         return torch.full_like(state.generated, self.k)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
-        ref = self._reference.to(tokens.device)
+        if self._reference.device != tokens.device:  # once: a copy per draft position would sit in the timed loop
+            self._reference = self._reference.to(tokens.device)
+        ref = self._reference
         index = (state.generated + position - 1).clamp(max=ref.shape[1] - 1)
         return ref[state.row_ids, index] == tokens
