@@ -2,6 +2,7 @@
 
 import logging
 import math
+from collections.abc import Sequence
 
 log = logging.getLogger("specpolicy")
 
@@ -32,15 +33,18 @@ def check_depth(policy: str, k) -> int:
 
 
 def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
-    """`values` (batch sizes, grid points) as a list of integers >= 1, strictly increasing if `increasing` (a
-    grid the cost model interpolates on); otherwise a SpecPolicyError that names `setting`."""
+    """`values` (batch sizes, grid points) as a list of distinct integers >= 1, increasing if `increasing` (a
+    grid the cost model interpolates on); otherwise a SpecPolicyError that names `setting`. A repeated batch size
+    decoded twice and reported in two rows under one name."""
+    if not isinstance(values, Sequence) or isinstance(values, str):  # `eval.batch_sizes=8`: list(8) was a TypeError
+        raise SpecPolicyError(f"{setting} must be a list, e.g. {setting}=[{values}], got {values!r}")
     values = list(values)
-    ok = bool(values) and all(_is_int(v, 1) for v in values)
+    ok = bool(values) and all(_is_int(v, 1) for v in values) and len(set(values)) == len(values)
     if ok and increasing:
         ok = all(a < b for a, b in zip(values, values[1:]))
     if not ok:
         order = " in increasing order" if increasing else ""
-        raise SpecPolicyError(f"{setting} must be a non-empty list of integers >= 1{order}, got {values}")
+        raise SpecPolicyError(f"{setting} must be a non-empty list of distinct integers >= 1{order}, got {values}")
     return values
 
 

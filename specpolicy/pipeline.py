@@ -65,7 +65,11 @@ def evaluate(cfg: DictConfig) -> None:
     check_int("seed", cfg.seed)
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
-    conversations = instantiate(cfg.data).load()[: cfg.eval.num_prompts]  # a bad prompts file fails before loading
+    conversations = instantiate(cfg.data).load()  # a bad prompts file fails before any model loads
+    if cfg.eval.num_prompts is not None and len(conversations) < cfg.eval.num_prompts:
+        log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
+                    cfg.eval.num_prompts, cfg.data.split, len(conversations))
+    conversations = conversations[: cfg.eval.num_prompts]
     batch_sizes = fitting_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
                                       "raise eval.num_prompts or data.limit, or give data.prompts_file more prompts")
     target, draft = stages.load_pair(cfg, cfg.draft)
@@ -79,6 +83,7 @@ def evaluate(cfg: DictConfig) -> None:
             log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", engine.temperature,
                         greedy)
         policies = {name: policy for name, policy in policies.items() if name not in greedy}
+    _explain_baselines(cfg, engine, draft, batch_sizes)
     logger = experiment_logger(cfg)  # before the decoding it logs: a logger that cannot start fails first
     rows, outputs = [], []
     for bs in batch_sizes:
@@ -111,6 +116,19 @@ def check_eval_settings(settings: DictConfig) -> None:
         check_count("eval.num_prompts", settings.num_prompts)
     if settings.hf_baselines:  # 0 draft tokens would time assisted generation drafting nothing
         check_count("eval.hf_assisted_k", settings.hf_assisted_k)
+
+
+def _explain_baselines(cfg: DictConfig, engine: Engine, draft: LoadedModel, batch_sizes: list[int]) -> None:
+    """Say which of transformers' baselines `eval.hf_baselines=true` cannot run here, and why (`hf_baselines`)."""
+    if not cfg.eval.hf_baselines:
+        return
+    if engine.temperature > 0:
+        log.warning("evaluate: eval.hf_baselines time greedy decoding only; at temperature %s they are left out",
+                    engine.temperature)
+    elif fuses_features(draft.model):
+        log.warning("evaluate: hf_assisted is left out: assisted generation cannot give a draft the target's features")
+    elif 1 not in batch_sizes:
+        log.warning("evaluate: hf_assisted runs at batch 1 only, which eval.batch_sizes leaves out")
 
 
 def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,

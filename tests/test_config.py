@@ -95,12 +95,14 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("evaluate", "eval.batch_sizes=[0]", "eval.batch_sizes must be"),
     ("evaluate", "eval.batch_sizes=[1,2.5]", "eval.batch_sizes must be"),
     ("evaluate", "eval.batch_sizes=[]", "eval.batch_sizes must be"),
+    ("evaluate", "eval.batch_sizes=8", "eval.batch_sizes must be a list, e.g. eval.batch_sizes=[8]"),  # a TypeError
+    ("evaluate", "eval.batch_sizes=[1,1]", "eval.batch_sizes must be a non-empty list of distinct"),  # decoded twice
     ("evaluate", "eval.num_prompts=0", "eval.num_prompts must be"),
     # 4 prompts (debug=fast): a batch of 8 ran 4 rows and was reported as batch 8 (with a size that fits: a warning)
     ("evaluate", "eval.batch_sizes=[8,16]", "eval.batch_sizes [8, 16] all exceed the 4 prompts to decode"),
     ("train", "profile.rows=[0,1]", "profile.rows must be"),
-    ("train", "profile.tokens=[4,2]", "profile.tokens must be a non-empty list of integers >= 1 in increasing order, "
-                                      "got [4, 2]"),
+    ("train", "profile.tokens=[4,2]", "profile.tokens must be a non-empty list of distinct integers >= 1 in "
+                                      "increasing order, got [4, 2]"),
     ("train", "profile.context=0", "profile.context must be"),
     ("train", "profile.repeats=-1", "profile.repeats must be"),
     ("train", "profile.overhead_steps=-4", "profile.overhead_steps must be"),
