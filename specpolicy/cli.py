@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
@@ -26,10 +29,15 @@ INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was 
                "evaluate.py and the benchmarks start over)")
 
 
+FAILED_JOBS: list[str] = []  # a multirun's jobs that stopped on bad input (`FailedJobs`)
+
+
 def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     """Run a pipeline task on its config (a Hydra config, or a script's parsed arguments); bad input exits with
-    code 2 and one line naming the problem and the fix, Ctrl-C with 130 and one line on what was kept."""
-    os.environ.setdefault("WANDB_MODE", "offline")  # no hub here; a user who sets WANDB_MODE goes online
+    code 2 and one line naming the problem and the fix, Ctrl-C with 130 and one line on what was kept. In a
+    multirun, a job's bad input ends that job only: the sweep goes on, and exits with 2 at its end."""
+    if "WANDB_SWEEP_ID" not in os.environ:  # a `wandb agent`'s run reports to its sweep, online
+        os.environ.setdefault("WANDB_MODE", "offline")  # no hub here; a user who sets WANDB_MODE goes online
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         check_set(cfg)
@@ -39,10 +47,23 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
         if problem is None:
             raise
         print(f"error: {problem}", file=sys.stderr)
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            FAILED_JOBS.append(f"job {HydraConfig.get().job.num}: {problem}")
+            return None
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C is a user's choice, not a failure to show a traceback for
         print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
+
+
+class FailedJobs(Callback):
+    """Hydra callback (conf/hydra/default.yaml): a multirun whose jobs stopped on bad input lists them and exits
+    with 2 once every job has run (a job's sys.exit(2) used to end the whole sweep at the first such job)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if FAILED_JOBS:
+            print(f"error: {len(FAILED_JOBS)} job(s) stopped on bad input:", *FAILED_JOBS, sep="\n  ", file=sys.stderr)
+            sys.exit(2)
 
 
 def fit(trainer: Trainer, module: LightningModule, **kwargs: Any) -> None:
@@ -97,12 +118,18 @@ def library_refusal(err: BaseException, key: re.Match | None) -> str | None:
     return f"{key.group(1)}: {target.group(1)} refused its settings: {type(err.__cause__).__name__}: {why}"
 
 
-def experiment_logger(cfg: DictConfig) -> Logger | None:
+def experiment_logger(cfg: DictConfig, stage: str | None = None) -> Logger | None:
     """The configured Lightning logger (None for `logger=none`), its run started here: wandb told to go online
-    without a key fails now, in one line, not in a traceback after the work it was to log."""
+    without a key fails now, in one line, not in a traceback after the work it was to log. Each call starts a
+    run of its own, named after `stage` too: Lightning's WandbLogger joins the active run, so the head's
+    `val/loss` went into the distil run's curve, and every job of a multirun into the first job's run."""
     if not cfg.get("logger") or not cfg.logger.get("_target_"):
         return None
-    logger = instantiate(cfg.logger)
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+    name = cfg.logger.get("name")
+    logger = instantiate(cfg.logger, **({"name": f"{name}-{stage}"} if stage and name else {}))
     try:
         logger.experiment
     except Exception as err:

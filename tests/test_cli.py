@@ -115,7 +115,8 @@ def test_bad_distillation_setting_fails_before_training(overrides: list[str], me
 def test_missing_trained_artifacts_say_which_stage_to_run(tmp_path: Path) -> None:
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert_clean_error(proc, "draft' does not exist; run the distil stage of scripts/train.py for experiment_name=tiny "
-                             "first, or point draft.source.path at a draft folder")
+                             "first, or point draft.source.path (for train.py's later stages: "
+                             "trained_draft.source.path) at a draft folder")
 
 
 def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
@@ -168,6 +169,15 @@ def test_the_readme_multirun_gives_each_job_its_own_experiment(tmp_path: Path) -
     assert len(list((tmp_path / "multirun" / "train").glob("*/multirun.yaml"))) == 1
 
 
+def test_a_multirun_job_with_bad_input_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """Job 0's sys.exit(2) ended the whole multirun (SystemExit escapes Hydra's job handler): job 1 never ran."""
+    proc = run("train.py", "hydra.mode=MULTIRUN", "experiment=tiny", "debug=fast", "stages=[distil]",
+               "distill.temperature=2,1", "experiment_name=sweep/${hydra:job.num}", tmp_path=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: 1 job(s) stopped on bad input:\n  job 0: distill.temperature=2 needs" in proc.stderr
+    assert (tmp_path / "sweep" / "1" / "draft" / "metrics.json").exists()
+
+
 @pytest.mark.parametrize("override, message", [("bench.ks=[0,1]", "bench.ks must be a non-empty list"),
                                                ("bench.repeats=0", "bench.repeats must be an integer >= 1"),
                                                ("bench.batch_sizes=[32]", "bench.batch_sizes [32] all exceed the 4")])
@@ -216,6 +226,18 @@ def test_wandb_online_without_a_key_fails_before_the_work(tmp_path: Path) -> Non
     assert "or unset WANDB_MODE to log offline" in proc.stderr
     assert "evaluate: batch size" not in proc.stdout + proc.stderr  # nothing decoded first
     assert experiment_logger(compose_config("evaluate", ["experiment=tiny", "logger=none"], tmp_path)) is None
+
+
+def test_each_stage_logs_to_a_wandb_run_of_its_own(tmp_path: Path, monkeypatch) -> None:
+    """Lightning's WandbLogger joins the active run: the head stage's val/loss went into the distil run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_config("train", ["experiment=tiny", "logger=wandb"], tmp_path)
+    distil, head = experiment_logger(cfg, "distil"), experiment_logger(cfg, "head")
+    try:
+        assert distil.experiment.id != head.experiment.id
+        assert (distil.experiment.name, head.experiment.name) == ("tiny-train-distil", "tiny-train-head")
+    finally:
+        head.experiment.finish()
 
 
 def test_ctrl_c_is_one_line_on_what_was_kept() -> None:
