@@ -1,12 +1,18 @@
-"""Writing outputs that later runs trust by their existence: all or nothing.
+"""Writing outputs that later runs trust by their existence: all or nothing, and only for the same settings.
 
 Every stage skips work whose output exists, so a run killed mid-save must not leave a half-written
 file or folder behind. One mechanism serves all of them: write at a temporary path beside the output,
-then rename it into place (a rename within one file system is atomic).
+then rename it into place (a rename within one file system is atomic). Beside each output lies the record
+of the settings it was made with (`draft` -> `draft.settings.json`), including a digest of the records of
+the outputs it was made from: a rerun with other settings, or after an upstream output was remade, stops
+and names what changed instead of reusing it (a redistilled draft used to keep the old draft's profile,
+rollouts and head).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -14,8 +20,18 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from specpolicy.errors import SpecPolicyError
 
 log = logging.getLogger("specpolicy")
+# keys that say where outputs go or whether to resume, not what they hold
+WHERE = frozenset({"out_dir", "default_root_dir", "dirpath", "cache_dir", "ckpt_path", "missing"})
+# of a Lightning Trainer's settings, those that change what it trains (not how it logs or validates)
+TRAINING = frozenset({"max_steps", "max_epochs", "precision", "accumulate_grad_batches", "gradient_clip_val",
+                      "gradient_clip_algorithm", "devices", "num_nodes", "strategy"})
 
 
 @contextmanager
@@ -34,10 +50,64 @@ def atomic_path(out: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def written(stage: str, out: Path, marker: Path | None = None) -> bool:
-    """Whether `stage` wrote `out` already (`marker`: the file it saves last, when not `out` itself). Then the
-    stage is skipped, and the log says how to rerun it: new settings alone do not replace what exists."""
+def written(stage: str, out: Path, made_with: dict[str, Any], marker: Path | None = None) -> bool:
+    """Whether `stage` wrote `out` already (`marker`: the file it saves last, when not `out` itself) with the
+    settings `made_with`; then the stage is skipped, and the log says how to rerun it. Written with other
+    settings: a SpecPolicyError that names them (new settings alone do not replace what exists)."""
     if not (marker or out).exists():
         return False
+    check_made_with(stage, out, made_with, f"delete it, or set another experiment_name, to run {stage} with these")
     log.info("%s: %s exists, skipping (delete it, or set another experiment_name, to run %s again)", stage, out, stage)
     return True
+
+
+def record_path(out: Path) -> Path:
+    """Where the settings `out` was made with are kept: beside it, `draft` -> `draft.settings.json`."""
+    return out.with_name(f"{out.stem}.settings.json")
+
+
+def settings(cfg: DictConfig, keys: list[str], made_from: list[Path] = ()) -> dict[str, Any]:
+    """The settings an output depends on: the config's `keys` (dotted), resolved, without `WHERE` keys and with
+    only the `TRAINING` keys of a trainer; plus, per upstream output in `made_from`, a digest of its record."""
+    found = {key: _what(OmegaConf.select(cfg, key, default=None), key) for key in keys}
+    for out in made_from:
+        record = record_path(out)
+        found[f"from {out.name}"] = hashlib.sha256(record.read_bytes()).hexdigest()[:12] if record.exists() else None
+    return found
+
+
+def _what(node: Any, key: str) -> Any:
+    if isinstance(node, (DictConfig, ListConfig)):
+        node = OmegaConf.to_container(node, resolve=True)
+    if isinstance(node, dict):
+        keep = TRAINING if key.split(".")[-1] == "trainer" else None
+        return {k: _what(v, k) for k, v in node.items() if k not in WHERE and (keep is None or k in keep)}
+    return [_what(v, key) for v in node] if isinstance(node, list) else node
+
+
+def record(out: Path, made_with: dict[str, Any]) -> None:
+    with atomic_path(record_path(out)) as tmp:
+        tmp.write_text(json.dumps(made_with, indent=2, sort_keys=True))
+
+
+def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) -> None:
+    """Refuse `out` if its record says it was made with other settings than `made_with`, naming them and `fix`.
+    An output without a record (made before records were kept) is reused, with a warning."""
+    path = record_path(out)
+    if not path.exists():
+        log.warning("%s: %s has no record of the settings it was made with; reusing it as it is", stage, out)
+        return
+    old, new = _flat(json.loads(path.read_text())), _flat(json.loads(json.dumps(made_with)))
+    changed = [f"{k}: the {k.removeprefix('from ')} it was made from was remade" if k.startswith("from ")
+               else f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
+               for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    if changed:
+        more = f"; and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise SpecPolicyError(f"{stage}: {out} was made with other settings ({'; '.join(changed[:4])}{more}); {fix}")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}, so a change is named by its dotted key."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else key).items()}

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specpolicy.atomic import atomic_path, written
+from specpolicy.atomic import atomic_path, record, settings, written
 from specpolicy.cli import experiment_logger, fit
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
@@ -50,10 +50,17 @@ def load_pair(cfg: DictConfig, draft_cfg: DictConfig) -> tuple[LoadedModel, Load
     return target, draft
 
 
+def made_from_draft(cfg: DictConfig) -> list[Path]:
+    """The upstream outputs of a stage that loads `trained_draft`: the distil stage's draft, when it is that."""
+    path = cfg.trained_draft.get("source", {}).get("path")
+    return [Path(path)] if path else []
+
+
 def profile(cfg: DictConfig) -> None:
     out = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype,
                        cfg.runtime.skinny_gemm)
-    if written("profile", out):
+    made_with = settings(cfg, ["target", "trained_draft", "profile"], made_from_draft(cfg))
+    if written("profile", out, made_with):
         return
     p = cfg.profile
     rows, tokens = check_profile(cfg)
@@ -65,6 +72,7 @@ def profile(cfg: DictConfig) -> None:
         log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
                  [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
     latency.save(out)
+    record(out, made_with)
     log.info("profile: saved %s", out)
 
 
@@ -107,7 +115,9 @@ def collect(cfg: DictConfig) -> None:
     there it is at its most confident and most often right, and a head trained on that would expect more
     than the draft delivers on new prompts."""
     out = Path(cfg.paths.experiment_dir) / "rollouts"
-    if written("collect", out, out / "dataset_info.json"):
+    made_with = settings(cfg, ["target", "trained_draft", "collect", "engine", "runtime.dtype", "data", "seed",
+                               "distill.data.train_prompts"], made_from_draft(cfg))
+    if written("collect", out, made_with, out / "dataset_info.json"):
         return
     check_collect(cfg)
     c = cfg.collect
@@ -129,6 +139,7 @@ def collect(cfg: DictConfig) -> None:
     parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in c.batch_sizes]
     with atomic_path(out) as tmp:
         datasets.concatenate_datasets(parts).save_to_disk(str(tmp))
+    record(out, made_with)
     shutil.rmtree(shards)
     log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
 
@@ -160,10 +171,11 @@ def _not_evaluated(cfg: DictConfig, conversations: list) -> list:
 
 def head(cfg: DictConfig) -> None:
     out = Path(cfg.head.out_dir)
-    if written("head", out, out / "head.pt"):
+    saved = Path(cfg.paths.experiment_dir) / "rollouts"
+    made_with = settings(cfg, ["head", "seed"], [saved])
+    if written("head", out, made_with, out / "head.pt"):
         return
     h = cfg.head
-    saved = Path(cfg.paths.experiment_dir) / "rollouts"
     if not (saved / "dataset_info.json").exists():
         raise SpecPolicyError(f"no rollouts at {saved}; run the collect stage first (stages=[collect,head])")
     rollouts = datasets.load_from_disk(str(saved)).with_format("torch")[:]
@@ -176,9 +188,10 @@ def head(cfg: DictConfig) -> None:
     prior = float(rollouts["accepted"].float()[first].mean()) if bool(first.any()) else 0.5
     config = HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior, positions=int(position.max()))
     module = HeadModule(config, lr=h.lr)
-    trainer = instantiate(h.trainer, logger=experiment_logger(cfg) or False)
+    trainer = instantiate(h.trainer, logger=experiment_logger(cfg, "head") or False)
     fit(trainer, module, datamodule=data, ckpt_path=h.ckpt_path)
     module.head.save(out)
+    record(out, made_with)
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
 
 

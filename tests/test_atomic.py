@@ -1,12 +1,15 @@
-"""Outputs that reruns trust by existence are written all or nothing."""
+"""Outputs that reruns trust by existence are written all or nothing, and trusted only for the settings
+they were made with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from specpolicy.atomic import atomic_path
+from specpolicy.atomic import atomic_path, record, settings, written
+from specpolicy.errors import SpecPolicyError
 
 
 def test_a_file_and_a_folder_replace_what_was_there(tmp_path: Path) -> None:
@@ -34,3 +37,26 @@ def test_a_failed_write_leaves_the_old_output_and_no_temporary(tmp_path: Path) -
         raise KeyboardInterrupt  # killed mid-save
     assert (out / "rows").read_text() == "complete"
     assert [p.name for p in tmp_path.iterdir()] == ["data"]
+
+
+def test_an_output_is_reused_only_with_the_settings_it_was_made_with(tmp_path: Path) -> None:
+    """Where outputs go and how a trainer logs are not what they hold; a changed setting or a remade upstream
+    output stops the rerun and is named."""
+    cfg = OmegaConf.create({"head": {"hidden": 32, "out_dir": str(tmp_path / "a"),
+                                     "trainer": {"max_epochs": 20, "log_every_n_steps": 5}}, "seed": 0})
+    upstream, out = tmp_path / "rollouts", tmp_path / "head"
+    record(upstream, {"k": 6})
+    made_with = settings(cfg, ["head", "seed"], [upstream])
+    assert made_with["head"] == {"hidden": 32, "trainer": {"max_epochs": 20}}
+    assert not written("head", out, made_with)
+    out.mkdir()
+    record(out, made_with)
+    moved = OmegaConf.merge(cfg, {"head": {"out_dir": str(tmp_path / "b"), "trainer": {"log_every_n_steps": 50}}})
+    assert written("head", out, settings(moved, ["head", "seed"], [upstream]))
+    wider = OmegaConf.merge(cfg, {"head": {"hidden": 64}})
+    with pytest.raises(SpecPolicyError, match=r"^head: .* was made with other settings \(head.hidden: 32 -> 64\); "
+                                              r"delete it"):
+        written("head", out, settings(wider, ["head", "seed"], [upstream]))
+    record(upstream, {"k": 8})
+    with pytest.raises(SpecPolicyError, match=r"\(from rollouts: the rollouts it was made from was remade\)"):
+        written("head", out, settings(cfg, ["head", "seed"], [upstream]))

@@ -63,6 +63,9 @@ def test_debug_fast_distils_a_loadable_assistant(shared, recwarn):
     before = (shared / "e2e" / "tiny" / "draft" / "metrics.json").stat().st_mtime_ns
     distil(cfg)  # second run: skipped
     assert (shared / "e2e" / "tiny" / "draft" / "metrics.json").stat().st_mtime_ns == before
+    with pytest.raises(SpecPolicyError, match=r"^distil: .*draft was made with other settings \(distill.loss._target_: "
+                                              r"specpolicy.distill.losses.forward_kl -> specpolicy.distill.losses.tvd"):
+        distil(_cfg(shared, "e2e", "draft.layers=[0,-1]", "distill/loss=tvd"))  # was: skipped, old draft kept
 
 
 def _target(cfg):
@@ -143,6 +146,10 @@ def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=False)["global_step"] == 4
     assert not (shared / "resumed" / "tiny" / "draft").exists()
     before_kill = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["callbacks"]["Timer"]["time_elapsed"]["train"]
+    # a last.ckpt of other settings is not resumed (it was, and its weights were saved under the new settings)
+    with pytest.raises(SpecPolicyError, match=r"checkpoints was made with other settings \(distill.loss._target_: .*"
+                                              r"\); delete .*checkpoints to start over"):
+        distil(_cfg(shared, "resumed", *every, "distill/loss=tvd"))
     distil(_cfg(shared, "resumed", *every))  # distill.ckpt_path=last by default
     straight, resumed = _metrics(shared, "straight"), _metrics(shared, "resumed")
     assert resumed["steps"] == straight["steps"] == 7

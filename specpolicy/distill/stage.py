@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
-from specpolicy.atomic import written
+from specpolicy.atomic import check_made_with, record, settings, written
 from specpolicy.cli import experiment_logger, fit
 from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
@@ -42,6 +42,8 @@ from specpolicy.models.vocab import (
 
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
+# what a draft is made of: a change to any of these makes another draft (see `atomic.settings`)
+MADE_WITH = ["target", "draft", "distill", "data.prompts_file", "data.hub_dataset", "trainer", "seed"]
 
 
 def check_distil(cfg: DictConfig) -> None:
@@ -88,7 +90,8 @@ def check_distil(cfg: DictConfig) -> None:
 
 def distil(cfg: DictConfig) -> None:
     out = Path(cfg.paths.experiment_dir) / "draft"
-    if written("distil", out, out / "config.json"):
+    made_with = settings(cfg, MADE_WITH)
+    if written("distil", out, made_with, out / "config.json"):
         return
     check_distil(cfg)  # the pipeline checked already; scripts/bench_distill.py calls this stage directly
     d = cfg.distill
@@ -111,6 +114,7 @@ def distil(cfg: DictConfig) -> None:
                            temperature=d.temperature, feature_loss=d.feature_loss, unroll=d.unroll)
     timer = Timer(verbose=False)  # its elapsed time rides in the checkpoints: a resumed run reports the whole
     trainer = _trainer(cfg, timer)
+    _resumable(cfg, trainer, made_with)
     before = _held_out(trainer, module, datamodule)
     with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
@@ -133,6 +137,7 @@ def distil(cfg: DictConfig) -> None:
         restore_full_head(merged, full_head)
         files[VOCAB_FILE] = vocab_file_text(vocab)
     save_model(out, merged.eval(), target.tokenizer, files)
+    record(out, made_with)
     log.info("distil: validation agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; "
              "saved %s", before["agreement"], after["agreement"], before["expected_acceptance"],
              after["expected_acceptance"], draft.cost["flops_ratio"], train_s, out)
@@ -268,9 +273,24 @@ def _keep_apart(groups: dict[str, list], name: str, held_out: list) -> None:
     groups[name] = kept
 
 
+def _resumable(cfg: DictConfig, trainer: L.Trainer, made_with: dict) -> None:
+    """Resume (`distill.ckpt_path=last`) only a run with these settings: a finished run's last.ckpt, left behind
+    when its draft folder was deleted to distil again with another loss, resumed at its last step and saved the
+    old weights under the new settings. Then record this run's settings beside its checkpoints."""
+    folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
+    if folder is None:
+        return
+    folder = Path(folder)
+    if cfg.distill.ckpt_path == "last" and (folder / "last.ckpt").exists():
+        check_made_with("distil", folder, made_with, f"delete {folder} to start over with these settings, or restore "
+                                                     f"those to resume it")
+    if trainer.is_global_zero:
+        record(folder, made_with)
+
+
 def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c] + list(extra)
-    logger = experiment_logger(cfg) or False
+    logger = experiment_logger(cfg, "distil") or False
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
     return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
