@@ -23,7 +23,14 @@ from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts, without
 from specpolicy.decode.engine import check_settings
-from specpolicy.errors import SpecPolicyError, check_count, check_counts, check_number, check_trainer
+from specpolicy.errors import (
+    SpecPolicyError,
+    check_count,
+    check_counts,
+    check_number,
+    check_trainer,
+    fitting_batch_sizes,
+)
 from specpolicy.models import LoadedModel, check_compatible
 from specpolicy.policy import StaticPolicy
 from specpolicy.policy.head import HeadConfig
@@ -125,18 +132,20 @@ def collect(cfg: DictConfig) -> None:
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
     conversations = _not_evaluated(cfg, _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load()))
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
+    sizes = fitting_batch_sizes("collect.batch_sizes", c.batch_sizes, len(prompts),
+                                "give data more train prompts, or lower distill.data.train_prompts")
     shards = out.with_name("rollouts_shards")
-    for bs in tqdm(list(c.batch_sizes), desc="collect (batch sizes)"):
+    for bs in tqdm(sizes, desc="collect (batch sizes)"):
         shard = shards / f"bs{bs}"
         if (shard / "dataset_info.json").exists():
             continue
         recorder = RecordingPolicy(StaticPolicy(k=c.k))
-        count = max(bs, c.min_prompts_per_size)
+        count = min(max(bs, c.min_prompts_per_size), len(prompts))
         for start in tqdm(range(0, count, bs), desc=f"batch size {bs}", leave=False):
             engine.generate(prompts[start : start + bs], recorder)
         with atomic_path(shard) as tmp:
             _dataset(torch.cat(recorder.records)).save_to_disk(str(tmp))
-    parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in c.batch_sizes]
+    parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in sizes]
     with atomic_path(out) as tmp:
         datasets.concatenate_datasets(parts).save_to_disk(str(tmp))
     record(out, made_with)

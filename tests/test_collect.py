@@ -78,3 +78,25 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     config = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())
     assert config["prior"] == pytest.approx(float(rollouts["accepted"][first].float().mean()))
     assert config["positions"] == int(rollouts["position"].max())  # the deepest the learned policy may go
+
+
+def test_collect_with_fewer_prompts_than_it_asks_for_decodes_those_there_are(tmp_path, caplog):
+    """3 train prompts: batch 4 cannot be filled (left out, by name), batch 1 decodes the 3 (min_prompts_per_size
+    asked for 4: the engine got an empty batch and stopped in "every prompt needs at least one token")."""
+    import datasets
+
+    from compose import compose_config
+    from specpolicy import stages
+
+    rows = [{"prompt": f"Say {w}.", "split": "train"} for w in "abc"] + [{"prompt": "Say d.", "split": "test"}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    layers = ["trained_draft._target_=specpolicy.models.draft.LayerSubsetDraft", "~trained_draft.source",
+              "+trained_draft.layers=[0,-1]"]  # an undistilled draft: no distil stage to run first
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", *layers,
+                                   f"data.prompts_file={tmp_path / 'p.jsonl'}", "distill.data.train_prompts=null"],
+                         tmp_path)
+    with caplog.at_level(logging.WARNING, logger="specpolicy"):
+        stages.collect(cfg)
+    assert "collect.batch_sizes [4] exceed the 3 prompts to decode and are left out" in caplog.text
+    rollouts = datasets.load_from_disk(str(tmp_path / "tiny" / "rollouts")).with_format("torch")[:]
+    assert set(rollouts["batch_size"].tolist()) == {1.0} and len(set(rollouts["group"].tolist())) == 3
