@@ -78,3 +78,12 @@ def test_a_limit_of_no_prompts_is_refused() -> None:
 def test_prompt_longer_than_context_is_refused() -> None:
     with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64"):
         encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 100}]], context_length=64)
+
+
+def test_a_conversation_the_chat_template_refuses_is_named() -> None:
+    """Templates raise on what their model never saw (Gemma's: a system turn); that was a jinja2 traceback."""
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('no system turns') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(SpecPolicyError, match=r"^prompt 1: the target's chat template refuses it \(no system turns\)"):
+        encode_prompts(tok, [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "be brief"}]], 512)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from specpolicy.errors import SpecPolicyError, check_count
@@ -116,7 +117,11 @@ def encode_prompts(
     encoded = []
     for i, conversation in enumerate(conversations):
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            try:  # templates refuse what their model was not trained on (a system turn, two user turns in a row)
+                text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            except jinja2.TemplateError as err:
+                raise SpecPolicyError(f"prompt {i}: the target's chat template refuses it ({err}); fix its messages "
+                                      f"(roles, order) in the prompts file") from err
         else:
             text = "\n\n".join(m["content"] for m in conversation)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
