@@ -12,8 +12,9 @@ EXPERIMENT ?= smollm2_135m
 
 venv: $(STAMP)
 
+# A venv whose pip does not run (python3-venv was missing when it was made) is made again.
 $(STAMP): pyproject.toml Makefile
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
