@@ -142,7 +142,7 @@ def collect(cfg: DictConfig) -> None:
         recorder = RecordingPolicy(StaticPolicy(k=c.k))
         count = min(max(bs, c.min_prompts_per_size), len(prompts))
         for start in tqdm(range(0, count, bs), desc=f"batch size {bs}", leave=False):
-            engine.generate(prompts[start : start + bs], recorder)
+            engine.generate(prompts[start : start + bs], recorder, first_id=start)
         with atomic_path(shard) as tmp:
             _dataset(torch.cat(recorder.records)).save_to_disk(str(tmp))
     parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in sizes]

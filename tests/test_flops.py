@@ -25,7 +25,8 @@ def target(tiny_model):
 @pytest.fixture(scope="module")
 def drafts(target):
     return {"partial": LayerSubsetDraft(layers=[0, 1, 2]).build(target).model,
-            "same": LayerSubsetDraft(layers=[0, 1, 2, 3]).build(target).model}
+            "same": LayerSubsetDraft(layers=[0, 1, 2, 3]).build(target).model,
+            "fused": LayerSubsetDraft(layers=[0, 1, 2, 3], fuse_features=True).build(target).model}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ POLICIES = {
 }
 
 
-@pytest.mark.parametrize("draft", ["partial", "same"])
+@pytest.mark.parametrize("draft", ["partial", "same", "fused"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_buckets_add_up_to_what_the_forwards_computed(target, drafts, prompts, monkeypatch, policy, draft) -> None:
     recorder = ForwardRecorder(monkeypatch)
@@ -163,6 +164,14 @@ def test_identical_draft_rejects_nothing_under_greedy(target, drafts, prompts) -
     useful, rejected, padding = stats.flops.tolist()
     assert stats.acceptance_rate == 1.0
     assert rejected == 0 and useful > 0 and padding > 0  # ragged prompts pad
+
+
+def test_a_fusing_draft_wastes_what_it_reads_again(target, drafts, prompts) -> None:
+    """A fusing draft reads its drafts with its own hidden state and, once kept, again with the target's: the
+    first reads are waste even when every draft is kept (they were counted useful, and the rereads too)."""
+    plain = decode(target, drafts["same"], prompts, StaticPolicy(k=3)).stats
+    fused = decode(target, drafts["fused"], prompts, StaticPolicy(k=3)).stats
+    assert plain.flops[1] == 0 and fused.flops[1] > 0
 
 
 def test_weak_draft_wastes_flops(target, drafts, prompts) -> None:

@@ -161,6 +161,15 @@ def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_mode
         side_by_side(engine, [[3, 4]], policies, 1, baselines={"ar": plain})
 
 
+def test_each_prompt_draws_its_own_random_stream(tiny_model) -> None:
+    """Rows were seeded by their slot in the batch: the same prompt at batch 1 sampled the same tokens in every
+    batch, so sampled outputs (and acceptance) were correlated across a run's batches."""
+    model = tiny_model().model
+    engine = Engine(model, model, max_new_tokens=16, temperature=1.0)
+    first, second = side_by_side(engine, [[3, 4, 5]] * 2, {"ar": ArPolicy()}, 1)["ar"].outputs
+    assert first != second
+
+
 def test_a_last_batch_smaller_than_the_batch_size_is_left_out(tiny_model, caplog) -> None:
     """3 prompts at batch 2 decoded a 1-row batch too, and reported its speed as batch 2's."""
     model = tiny_model()

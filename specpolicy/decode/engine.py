@@ -123,11 +123,14 @@ class Engine:
 
     # ---------------------------------------------------------------- public
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], policy: DepthPolicy) -> DecodeResult:
+    def generate(self, prompts: list[list[int]], policy: DepthPolicy, first_id: int = 0) -> DecodeResult:
+        """Decode `prompts`; `first_id` numbers them for their random streams (row i draws from stream first_id + i),
+        so callers that decode batches of one prompt list give each prompt its own stream: numbered from 0 in every
+        batch, row r of every batch drew the same uniforms, and sampled outputs were correlated across batches."""
         self._check(prompts, policy)
         K = policy.max_depth
         policy.reset(len(prompts))
-        rows = self._start(prompts, K)
+        rows = self._start(prompts, K, first_id)
         A, cap = rows.seq.shape
         caches = RaggedCache(A, cap), RaggedCache(A, cap) if K else None
         stats = DecodeStats(max_depth=K, batch_size=len(prompts))
@@ -161,14 +164,14 @@ class Engine:
                 f"{self.context}; shorten the prompt or lower max_new_tokens"
             )
 
-    def _start(self, prompts: list[list[int]], K: int) -> Rows:
+    def _start(self, prompts: list[list[int]], K: int, first_id: int) -> Rows:
         A, cap = len(prompts), max(map(len, prompts)) + self.max_new_tokens + K + 1
         seq = torch.zeros(A, cap, dtype=torch.long)
         for i, p in enumerate(prompts):
             seq[i, : len(p)] = torch.tensor(p)
         length, zeros, ids = torch.tensor([len(p) for p in prompts]), torch.zeros(A, dtype=torch.long), torch.arange(A)
         state = dict(seq=seq, length=length, t_len=zeros, d_len=zeros, generated=zeros, prompt_len=length,
-                     row_ids=ids, seeds=self.seed * 1_000_003 + ids)
+                     row_ids=ids, seeds=self.seed * 1_000_003 + first_id + ids)
         rows = Rows(**{k: v.to(self.device, copy=True) for k, v in state.items()},
                     feat=torch.zeros(A, 0, device=self.device))
         if self.fuse and K:
@@ -382,10 +385,10 @@ class Engine:
         d_width = int(d_unseen.max())
         d_end = int(old["d_len"].max()) + d_width
         stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen, (d_unseen - 1, 1))
-        for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it
-            read = (n_draft >= i).long()
-            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, read * (kept >= i), read,
-                                                (0, 1))
+        for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it, unless the draft fuses
+            read = (n_draft >= i).long()  # features: it rereads every kept x_i with the target's (`_commit`)
+            kept_i = read * (kept >= i) * (not self.fuse)
+            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, kept_i, read, (0, 1))
 
     def _retire(self, rows: Rows, host: dict, finished: torch.Tensor, caches: tuple, outputs: list[list[int]]) -> dict:
         """Move finished rows' outputs out and drop them from the batch and the caches."""

@@ -92,10 +92,7 @@ def side_by_side(
     (`ar`, first in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so
     the order rotates. Only full batches are decoded: a smaller last batch would be reported as this batch size."""
     check_count("eval.repeats", repeats)
-    if left := len(prompts) % batch_size:
-        log.warning("batch size %d: the last %d of %d prompts fill no batch and are left out (eval.num_prompts a "
-                    "multiple of every batch size decodes them all)", batch_size, left, len(prompts))
-        prompts = prompts[:-left]
+    prompts = full_batches(prompts, batch_size, "eval.num_prompts")
     baselines = baselines or {}
     if clash := sorted(set(policies) & set(baselines)):
         raise SpecPolicyError(f"a baseline has a policy's name: {clash}")
@@ -113,6 +110,22 @@ def side_by_side(
     return runs
 
 
+def full_batches(prompts: list[list[int]], batch_size: int, setting: str) -> list[list[int]]:
+    """The prompts that fill whole batches of `batch_size`, with a warning naming those left out: a smaller last
+    batch would be reported as this batch size."""
+    if left := len(prompts) % batch_size:
+        log.warning("batch size %d: the last %d of %d prompts fill no batch and are left out (%s a multiple of every "
+                    "batch size decodes them all)", batch_size, left, len(prompts), setting)
+        prompts = prompts[:-left]
+    return prompts
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    """`names` rotated by `shift`: decoders that take turns in a batch, so none always runs first."""
+    shift %= max(len(names), 1)
+    return names[shift:] + names[:shift]
+
+
 def _new_run(name: str, decoder: DepthPolicy | Baseline, batch_size: int) -> Run:
     if isinstance(decoder, DepthPolicy):
         return PolicyRun(name, batch_size, upper_bound=isinstance(decoder, OraclePolicy), kind=type(decoder).__name__)
@@ -122,8 +135,7 @@ def _new_run(name: str, decoder: DepthPolicy | Baseline, batch_size: int) -> Run
 def _order(decoders: dict[str, DepthPolicy | Baseline], shift: int) -> list[str]:
     """The decoders rotated by `shift`; those that need `ar`'s outputs of the batch (the oracle) last."""
     plain = [name for name, decoder in decoders.items() if not isinstance(decoder, OraclePolicy)]
-    shift %= max(len(plain), 1)
-    return plain[shift:] + plain[:shift] + [name for name in decoders if name not in plain]
+    return rotated(plain, shift) + [name for name in decoders if name not in plain]
 
 
 def _decode_batch(engine: Engine, batch: list[list[int]], index: int, decoders: dict[str, DepthPolicy | Baseline],
@@ -139,7 +151,7 @@ def _decode_batch(engine: Engine, batch: list[list[int]], index: int, decoders: 
             if "ar" not in decoders:
                 raise SpecPolicyError("the oracle needs the target's greedy outputs: add `ar` to eval.policies")
             decoder.set_reference(reference)
-        result = engine.generate(batch, decoder)
+        result = engine.generate(batch, decoder, first_id=index * len(batch))  # each prompt its own random stream
         reference = result.outputs if name == "ar" else reference
         run.stats.append(result.stats)
         run.batches.append(index)
