@@ -4,12 +4,15 @@ Prints and saves JSON with, side by side in one process, interleaved over `bench
   * the engine's `ar` vs `model.generate` tokens/s at each batch size (the baseline must be honest);
   * `static` k with the configured draft vs transformers' assisted generation at batch 1 (and vs the engine's
     `ar`; a draft that fuses the target's features has no assisted generation to compare with).
-Each ratio is measured within every round and reported as the median over rounds with its range: on a
-shared machine a slow spell hits one round, and a ratio of two totals would still carry it.
+Every decoder is warmed up at every batch size, the decoders take turns on each batch in an order that rotates
+from batch to batch and round to round (as evaluate does), and only full batches are timed. Each ratio is
+measured within every round and reported as the median over rounds with its range: on a shared machine a slow
+spell hits one round, and a ratio of two totals would still carry it.
 """
 
 import os
 import statistics
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -18,11 +21,14 @@ from omegaconf import DictConfig
 
 from specpolicy.cli import entry, publish
 from specpolicy.data import encode_prompts
+from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
-from specpolicy.errors import check_count, check_counts, fitting_batch_sizes
+from specpolicy.errors import SpecPolicyError, check_count, check_counts, fitting_batch_sizes
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
+from specpolicy.eval.runner import Baseline, full_batches, rotated
+from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
-from specpolicy.policy import ArPolicy, StaticPolicy
+from specpolicy.policy import ArPolicy, DepthPolicy, StaticPolicy
 from specpolicy.stages import load_pair
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
@@ -34,35 +40,30 @@ def bench(cfg: DictConfig) -> None:
     for setting in ("repeats", "num_prompts"):
         check_count(f"bench.{setting}", cfg.bench[setting])
     check_settings(cfg.engine)
+    if cfg.engine.temperature:  # transformers' side decodes greedily: a sampled engine would not be comparable
+        raise SpecPolicyError(f"bench_engine compares greedy decoding; set engine.temperature=0 (got "
+                              f"{cfg.engine.temperature})")
     target, draft = load_pair(cfg, cfg.draft)
     engine = instantiate(cfg.engine)(target.model, draft.model)
-    tok, n_new = target.tokenizer, engine.max_new_tokens
-    prompts = encode_prompts(tok, instantiate(cfg.data).load()[: cfg.bench.num_prompts], target.context_length, n_new)
+    prompts = encode_prompts(target.tokenizer, instantiate(cfg.data).load()[: cfg.bench.num_prompts],
+                             target.context_length, engine.max_new_tokens)
     batch_sizes = fitting_batch_sizes("bench.batch_sizes", cfg.bench.batch_sizes, len(prompts),
                                       "raise bench.num_prompts or data.limit")
-    eos = target.model.generation_config.eos_token_id
-    rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
-
-    def add(name: str, outputs: list[list[int]], seconds: float) -> None:
-        tokens, wall = rounds[-1].setdefault(name, [0, 0.0])
-        rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
-
     assisted = not fuses_features(draft.model)
-    engine.generate(prompts[:2], StaticPolicy(k=2))  # warm-up
-    for _ in range(cfg.bench.repeats):
+    groups = _decoders(cfg, engine, target, draft, batch_sizes, assisted)
+    rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
+    for bs, group in groups.items():  # warm-up, untimed: every decoder at every batch size
+        for decode in group.values():
+            decode(prompts[:bs])
+    for rep in range(cfg.bench.repeats):
         rounds.append({})
-        for bs in batch_sizes:
-            for start in range(0, len(prompts), bs):
-                batch = prompts[start : start + bs]
-                r = engine.generate(batch, ArPolicy())
-                add(f"engine_ar@{bs}", r.outputs, r.stats.wall_s)
-                add(f"hf_generate@{bs}", *hf_generate(target.model, batch, n_new, tok.pad_token_id, eos))
-        for k in cfg.bench.ks:
-            for p in prompts:
-                r = engine.generate([p], StaticPolicy(k=k))
-                add(f"engine_static_k{k}@1", r.outputs, r.stats.wall_s)
-            if assisted:
-                add(f"hf_assisted_k{k}@1", *hf_assisted(target.model, draft.model, prompts, n_new, k, eos))
+        for bs, group in groups.items():
+            batches = full_batches(prompts, bs, "bench.num_prompts")
+            for i, start in enumerate(range(0, len(batches), bs)):
+                for name in rotated(list(group), rep + i):  # none always runs first, into a slow spell
+                    outputs, seconds = group[name](batches[start : start + bs])
+                    tokens, wall = rounds[-1].get(name, (0, 0.0))
+                    rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
     per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
     rates = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
     pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in batch_sizes}
@@ -75,10 +76,36 @@ def bench(cfg: DictConfig) -> None:
         within = [r[a] / r[b] for r in per_round]
         ratios[key], ranges[key] = statistics.median(within), [min(within), max(within)]
     report = {"target": target.name, "draft": draft.name, "device": str(engine.device), "dtype": cfg.runtime.dtype,
-              "prompts": len(prompts), "max_new_tokens": n_new, "repeats": cfg.bench.repeats,
-              "assisted_settings": {k: assisted_settings(k) for k in cfg.bench.ks},
-              "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges}
+              "skinny_gemm": cfg.runtime.skinny_gemm, "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
+              "repeats": cfg.bench.repeats, "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges}
+    if assisted:
+        report["assisted_settings"] = {k: assisted_settings(k) for k in cfg.bench.ks}
     publish(report, cfg.bench.out)
+
+
+def _decoders(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel, batch_sizes: list[int],
+              assisted: bool) -> dict[int, dict[str, Baseline]]:
+    """Per batch size, the decoders that take turns on each batch: the engine's `ar` and `model.generate` at each
+    size; at batch 1 also static k and assisted generation at the same k."""
+    n, eos, pad = engine.max_new_tokens, target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id
+
+    def policy(p: DepthPolicy) -> Baseline:
+        def decode(batch: list[list[int]]) -> tuple[list[list[int]], float]:
+            result = engine.generate(batch, p)
+            return result.outputs, result.stats.wall_s
+        return decode
+
+    groups: dict[int, dict[str, Baseline]] = {
+        bs: {f"engine_ar@{bs}": policy(ArPolicy()),
+             f"hf_generate@{bs}": lambda batch: hf_generate(target.model, batch, n, pad, eos)}
+        for bs in batch_sizes}
+    single = groups.setdefault(1, {})
+    for k in cfg.bench.ks:
+        single[f"engine_static_k{k}@1"] = policy(StaticPolicy(k=k))
+        if assisted:
+            single[f"hf_assisted_k{k}@1"] = partial(hf_assisted, target.model, draft.model, max_new_tokens=n, k=k,
+                                                    eos_id=eos)
+    return groups
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_engine")
