@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# named after TORCH_SPEC, so another spec installs again
+STAMP = $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.\n' '_')
 # CPU build of torch where there is no GPU (torch==2.13.0 resolves to the local CPU wheel here);
 # a CUDA build from the default index where nvidia-smi sees a GPU. Override with TORCH_SPEC=...
 TORCH_SPEC ?= $(shell if nvidia-smi -L >/dev/null 2>&1; then echo 'torch>=2.5'; else echo 'torch==2.13.0'; fi)
