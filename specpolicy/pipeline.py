@@ -6,10 +6,12 @@ rerun alone and is skipped when its output exists.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
 from datetime import datetime
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -17,6 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpolicy import stages
+from specpolicy.atomic import record_path
 from specpolicy.cli import experiment_logger
 from specpolicy.cost.profile import device_name
 from specpolicy.data import encode_prompts
@@ -70,6 +73,7 @@ def evaluate(cfg: DictConfig) -> None:
         log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
                     cfg.eval.num_prompts, cfg.data.split, len(conversations))
     conversations = conversations[: cfg.eval.num_prompts]
+    check_held_out(cfg, len(conversations))
     batch_sizes = fitting_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
                                       "raise eval.num_prompts or data.limit, or give data.prompts_file more prompts")
     target, draft = stages.load_pair(cfg, cfg.draft)
@@ -105,6 +109,29 @@ def evaluate(cfg: DictConfig) -> None:
         logger.experiment.finish()
     print(report.read_text().split("![")[0])
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
+
+
+def check_held_out(cfg: DictConfig, count: int) -> None:
+    """Refuse to evaluate a draft on its own training prompts. A prompts file without a `split` column is every
+    split: the distil stage held out only its first val_prompts / test_prompts rows and trained on the rest (read
+    from the draft's settings record, `atomic.record`), while evaluate decodes the first `count` rows."""
+    path, source = cfg.draft.get("source", {}).get("path"), instantiate(cfg.data)
+    record = record_path(Path(path)) if path else None
+    if record is None or not record.exists() or not source.serves_every_split:
+        return
+    made = json.loads(record.read_text())
+    held = made.get("distill", {}).get("data", {})
+    sizes = [held.get("val_prompts"), held.get("test_prompts")]
+    distilled_on = made.get("data.prompts_file")
+    same = distilled_on is not None and Path(distilled_on).expanduser().resolve() == \
+        Path(cfg.data.prompts_file).expanduser().resolve()
+    if not same or None in sizes:  # None: every row was held out
+        return
+    if count > max(sizes):
+        raise SpecPolicyError(f"the draft at {path} was distilled on {cfg.data.prompts_file}, which has no `split` "
+                              f"column: only its first {max(sizes)} prompts were held out, and evaluate would decode "
+                              f"{count}, the rest of them training prompts; set eval.num_prompts={max(sizes)}, or give "
+                              f"the file's rows a `split` column (train / validation / test) and distil again")
 
 
 def check_eval_settings(settings: DictConfig) -> None:

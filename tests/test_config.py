@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 
 import synthetic
 from compose import CONF, compose_config
+from specpolicy.atomic import record
 from specpolicy.cost.profile import profile_file
 from specpolicy.errors import SpecPolicyError, fitting_batch_sizes
-from specpolicy.pipeline import evaluate, train
+from specpolicy.pipeline import check_held_out, evaluate, train
 
 # options with mandatory values (???) get one here; the gpu trainer is only built where there is a GPU
 REQUIRED = {("target", "pretrained"): ["target.path=org/model"], ("draft", "pretrained"): ["draft.source.path=org/m"]}
@@ -157,3 +158,17 @@ def test_a_profile_of_one_kernel_path_never_prices_the_other(tmp_path: Path) -> 
 def test_debug_fast_uses_a_tiny_model(tmp_path: Path) -> None:
     cfg = compose_config("train", ["debug=fast"], tmp_path)
     assert cfg.target.model_type == "llama" and cfg.target._target_.endswith("RandomInitSource")
+
+
+def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) -> None:
+    """A prompts file without a `split` column is every split: distil held out its first rows only, and
+    eval.num_prompts past them scored the draft on prompts it was distilled on."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Say {i}."}) for i in range(6)))
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"data.prompts_file={prompts}",
+                                      "eval.num_prompts=4"], tmp_path)
+    record(Path(cfg.draft.source.path), {"data.prompts_file": str(prompts),
+                                         "distill": {"data": {"val_prompts": 2, "test_prompts": 2}}})
+    with pytest.raises(SpecPolicyError, match="only its first 2 prompts were held out, and evaluate would decode 4"):
+        evaluate(cfg)
+    check_held_out(cfg, 2)  # the held-out rows alone

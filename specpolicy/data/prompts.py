@@ -52,6 +52,11 @@ class PromptSource:
         return conversations
 
     @property
+    def serves_every_split(self) -> bool:
+        """A prompts file without a `split` column: every split is the whole file."""
+        return bool(self.prompts_file) and "split" not in self._rows().column_names
+
+    @property
     def _name(self) -> str:
         return self.prompts_file or self.hub_dataset or f"the embedded prompt set ({EMBEDDED.name})"
 
