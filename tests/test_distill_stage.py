@@ -136,9 +136,13 @@ class CrashAt(L.Callback):
 
 
 def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
+    """The resumed run trains steps 5-7 only, on the batches the uninterrupted run saw there: a run started
+    over with the same seed would end at the same weights too, so that alone does not show a resume."""
     every = ["draft.layers=[0,-1]", "trainer.max_steps=7", "callbacks.model_checkpoint.every_n_train_steps=2",
-             "trainer.val_check_interval=7"]
+             "trainer.val_check_interval=7", "+callbacks.record._target_=test_distill_stage.RecordBatches"]
+    RecordBatches.batches = []
     distil(_cfg(shared, "straight", *every))
+    straight_batches, RecordBatches.batches = RecordBatches.batches, []
     crash = [*every, "+callbacks.crash._target_=test_distill_stage.CrashAt", "+callbacks.crash.step=5"]
     with pytest.raises(BaseException, match="simulated kill"):
         distil(_cfg(shared, "resumed", *crash))
@@ -150,7 +154,9 @@ def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
     with pytest.raises(SpecPolicyError, match=r"checkpoints was made with other settings \(distill.loss._target_: .*"
                                               r"\); delete .*checkpoints to start over"):
         distil(_cfg(shared, "resumed", *every, "distill/loss=tvd"))
+    RecordBatches.batches = []
     distil(_cfg(shared, "resumed", *every))  # distill.ckpt_path=last by default
+    assert len(straight_batches) == 7 and RecordBatches.batches == straight_batches[4:]
     straight, resumed = _metrics(shared, "straight"), _metrics(shared, "resumed")
     assert resumed["steps"] == straight["steps"] == 7
     assert resumed["train_seconds"] > before_kill > 0  # the time before the kill counts too
