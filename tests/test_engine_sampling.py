@@ -17,7 +17,7 @@ import torch
 from conftest import DEVICE
 from specpolicy.decode import Engine, sampling
 from specpolicy.models.vocab import SubsetHead
-from specpolicy.policy import ArPolicy, ConfidencePolicy, StaticPolicy
+from specpolicy.policy import ArPolicy, ConfidencePolicy, DepthPolicy, StaticPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -70,10 +70,11 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
-def sampled_joint(models, temperature: float, top_p: float, seed: int = 0) -> tuple[torch.Tensor, float]:
+def sampled_joint(models, temperature: float, top_p: float, seed: int = 0,
+                  policy: DepthPolicy | None = None) -> tuple[torch.Tensor, float]:
     target, draft = models
     engine = Engine(target, draft, max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed, eos_token_id=[])
-    result = engine.generate([PROMPT] * ROWS, StaticPolicy(k=2))
+    result = engine.generate([PROMPT] * ROWS, policy or StaticPolicy(k=2))
     out = torch.tensor(result.outputs)  # [ROWS, NEW]: no EOS, so every row is full length
     index = (out * V ** torch.arange(NEW - 1, -1, -1)).sum(1)
     return torch.bincount(index, minlength=V**NEW), result.stats.acceptance_rate
@@ -85,6 +86,17 @@ def test_sampling_keeps_the_target_distribution(request, pair: str, temperature:
     models = request.getfixturevalue(pair)
     counts, acceptance = sampled_joint(models, temperature, top_p)
     assert 0.2 < acceptance < 0.9, "the draft should be accepted only partly, or the test proves little"
+    p_value = chi_square_p(counts, exact_joint(models[0], PROMPT, NEW, temperature, top_p))
+    assert p_value > 1e-3, f"empirical joint differs from the target's (chi-square p={p_value:.2e})"
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), WARPS)
+def test_sampling_keeps_the_target_distribution_when_rows_stop_at_different_positions(
+        models, temperature: float, top_p: float) -> None:
+    """A policy that stops each row after the draft position where its confidence falls (threshold 0.3: about
+    1.2 of up to 3 drafts per step here): the rule must hold for whatever prefix a row sends."""
+    counts, acceptance = sampled_joint(models, temperature, top_p, policy=ConfidencePolicy(k=3, threshold=0.3))
+    assert 0.2 < acceptance < 0.9
     p_value = chi_square_p(counts, exact_joint(models[0], PROMPT, NEW, temperature, top_p))
     assert p_value > 1e-3, f"empirical joint differs from the target's (chi-square p={p_value:.2e})"
 
