@@ -169,26 +169,45 @@ def test_the_baselines_decide_as_their_names_say() -> None:
     assert switch.budget(state(3)).tolist() == [3, 3, 3] and switch.budget(state(4)).tolist() == [0] * 4
 
 
+def drafted_depth(policy: GoodputPolicy, rows: int, top1: float = 0.99) -> int:
+    """How deep `policy` drafts a batch of `rows` rows whose draft has top-1 probability `top1` everywhere (the
+    features carry the batch load, as the engine's do)."""
+    features = torch.zeros(rows, len(FEATURE_NAMES))
+    features[:, COLUMN["top1"]] = top1
+    features[:, COLUMN["rows"]], features[:, COLUMN["tokens"]] = rows, rows * 64
+    policy.reset(rows)
+    state = StepState(torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows, rows * 64)
+    kept = 0
+    for position in range(1, int(policy.budget(state).max()) + 1):
+        if not bool(policy.keep(features, torch.zeros(rows, dtype=torch.long), state, position).any()):
+            break
+        kept = position
+    return kept
+
+
 @pytest.mark.parametrize("estimator", ["confidence", "head"])
 def test_mean_depth_falls_with_load_and_reaches_zero(tmp_path: Path, estimator: str) -> None:
     head = HeadEstimator(str(synthetic.head_dir(tmp_path))) if estimator == "head" else None
     policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=6, estimator=head)
-    confident = torch.zeros(64, len(FEATURE_NAMES))
-    confident[:, COLUMN["top1"]] = 0.99
-    depth = {}
-    for rows in synthetic.ROWS:
-        policy.reset(rows)
-        state = StepState(torch.arange(rows), torch.zeros(rows, dtype=torch.long), rows, rows * 64)
-        budget = int(policy.budget(state).max())
-        kept = 0
-        for position in range(1, budget + 1):
-            keep = policy.keep(confident[:rows], torch.zeros(rows, dtype=torch.long), state, position)
-            if not bool(keep.any()):
-                break
-            kept = position
-        depth[rows] = kept
+    depth = {rows: drafted_depth(policy, rows) for rows in synthetic.ROWS}
     assert [depth[r] for r in synthetic.ROWS] == sorted(depth.values(), reverse=True), depth
     assert depth[1] > 0 and depth[64] == 0, depth  # a policy that never drafted would pass the line above
+
+
+def test_a_head_that_expects_less_at_a_higher_load_drafts_less_there(tmp_path: Path) -> None:
+    """The estimator moves the depth, not only the cost model: where verifying is nearly free at every load, a
+    head whose acceptance falls with rows in flight (0.88 at 1 row, 0.02 at 16) drafts at 1 row and not at 16,
+    while the draft's confidence, the same at every load, drafts alike at both."""
+    head = DepthHead(HeadConfig(layers=0, features=("rows",), prior=0.9))
+    with torch.no_grad():  # logit = 4 - 2 log2(1 + rows)
+        head.mlp[-1].weight.fill_(-2.0)
+        head.mlp[-1].bias.fill_(4.0)
+    head.save(tmp_path)
+    flat = synthetic.profile(per_token_ms=0.01, draft_share=0.05)
+    learned = GoodputPolicy(flat, k=4, estimator=HeadEstimator(str(tmp_path)))
+    confidence = GoodputPolicy(flat, k=4, prior=0.9)
+    assert drafted_depth(learned, 1, top1=0.88) > 0 == drafted_depth(learned, 16, top1=0.88)
+    assert drafted_depth(confidence, 1, top1=0.88) == drafted_depth(confidence, 16, top1=0.88) > 0
 
 
 def test_one_confident_row_does_not_widen_a_busy_batch() -> None:
