@@ -66,11 +66,12 @@ class FailedJobs(Callback):
             sys.exit(2)
 
 
-def fit(trainer: Trainer, module: LightningModule, **kwargs: Any) -> None:
-    """`trainer.fit`, whose Ctrl-C comes back as a KeyboardInterrupt: Lightning shuts down gracefully, then
-    calls sys.exit(1), which would skip entry()'s line on what was kept and how to go on."""
+def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: Any) -> Any:
+    """`trainer.fit` / `.validate` / `.test` (`how`), whose Ctrl-C comes back as a KeyboardInterrupt: Lightning
+    shuts down gracefully, then calls sys.exit(1), which would skip entry()'s line on what was kept and how to
+    go on (and exit with 1, not 130)."""
     try:
-        trainer.fit(module, **kwargs)
+        return getattr(trainer, how)(module, **kwargs)
     except SystemExit:
         if trainer.interrupted:
             raise KeyboardInterrupt from None

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from compose import ROOT, compose_config
 from specpolicy import errors
-from specpolicy.cli import bad_input, entry, experiment_logger, fit
+from specpolicy.cli import bad_input, entry, experiment_logger, run_trainer
 from specpolicy.cost.profile import profile_file
 from specpolicy.pipeline import train
 
@@ -187,6 +187,12 @@ def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
     assert_clean_error(run("bench_engine.py", "experiment=tiny", "debug=fast", override, tmp_path=tmp_path), message)
 
 
+def test_skinny_benchmark_names_a_bad_grid(tmp_path: Path) -> None:
+    """It times the profile stage's grid without the stage's checks: an empty grid was a max() traceback."""
+    proc = run("bench_skinny.py", "experiment=tiny", "debug=fast", "profile.tokens=[]", tmp_path=tmp_path)
+    assert_clean_error(proc, "profile.tokens must be a non-empty list")
+
+
 @pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be an integer >= 1, got 0"),
                                            (["distill.temperature=0"], "distill.temperature must be a number > 0"),
                                            # an override after --losses was taken for a loss, then a compose error
@@ -254,7 +260,8 @@ def test_ctrl_c_is_one_line_on_what_was_kept() -> None:
 
 def test_ctrl_c_inside_a_lightning_loop_comes_back_to_entry() -> None:
     """Lightning turns Ctrl-C into a graceful shutdown and sys.exit(1), past entry()'s line on what was kept;
-    `cli.fit` hands it back as the KeyboardInterrupt it was (other exits pass through)."""
+    `cli.run_trainer` hands it back as the KeyboardInterrupt it was (other exits pass through), in fit and in
+    validate (distil measures held-out prompts with validate and test, outside fit)."""
     import lightning as L
     import torch
 
@@ -266,18 +273,23 @@ def test_ctrl_c_inside_a_lightning_loop_comes_back_to_entry() -> None:
         def training_step(self, batch, batch_idx):
             raise KeyboardInterrupt
 
+        def validation_step(self, batch, batch_idx):
+            raise KeyboardInterrupt
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
     handler = signal.getsignal(signal.SIGINT)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            fit(trainer, Interrupted(), train_dataloaders=[torch.zeros(1)])
-    finally:
-        signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT while it shuts down
-    assert trainer.interrupted
+    data = [torch.zeros(1)]
+    for how, loaders in (("fit", {"train_dataloaders": data}), ("validate", {"dataloaders": data})):
+        trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                run_trainer(trainer, how, Interrupted(), **loaders)
+        finally:
+            signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT while it shuts down
+        assert trainer.interrupted, how
 
 
 def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import check_made_with, record, settings, written
-from specpolicy.cli import experiment_logger, fit
+from specpolicy.cli import experiment_logger, run_trainer
 from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
@@ -118,7 +118,7 @@ def distil(cfg: DictConfig) -> None:
     before = _held_out(trainer, module, datamodule)
     with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
-        fit(trainer, module, datamodule=datamodule, ckpt_path=d.ckpt_path)
+        run_trainer(trainer, "fit", module, datamodule=datamodule, ckpt_path=d.ckpt_path)
     train_s = timer.time_elapsed("train")
     if trainer.interrupted or trainer.global_step < trainer.max_steps:
         raise SpecPolicyError(f"distillation stopped at step {trainer.global_step} of {trainer.max_steps}; "
@@ -167,10 +167,10 @@ def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -
 def _held_out(trainer: L.Trainer, module: DistillModule, datamodule: DistillDataModule) -> dict:
     """Validation metrics, with the test set's under "test" when there is one: settings are chosen on the
     validation prompts, so only the test prompts measure a draft on prompts nothing was tuned on."""
-    found = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    found = run_trainer(trainer, "validate", module, datamodule=datamodule, verbose=False)[0]
     metrics = {k.removeprefix("val/"): float(v) for k, v in found.items()}
     if TEST in datamodule.held_out:
-        found = trainer.test(module, datamodule=datamodule, verbose=False)[0]
+        found = run_trainer(trainer, "test", module, datamodule=datamodule, verbose=False)[0]
         metrics["test"] = {k.removeprefix("test/"): float(v) for k, v in found.items()}
     return metrics
 
