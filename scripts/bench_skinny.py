@@ -17,11 +17,13 @@ from omegaconf import DictConfig
 from specpolicy.cli import entry, publish
 from specpolicy.cost.profile import device_name, time_grid
 from specpolicy.models.skinny import use_skinny_gemm
+from specpolicy.stages import check_profile
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
 def bench(cfg: DictConfig) -> None:
+    check_profile(cfg)  # the grid it times: `profile.tokens=[]` was a max() traceback
     target = instantiate(cfg.target, skinny_gemm=False).load()
     models = {"linear": target.model, "skinny": use_skinny_gemm(copy.deepcopy(target.model))}
     p = cfg.profile

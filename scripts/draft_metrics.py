@@ -36,12 +36,13 @@ os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size: int = 8) -> dict:
     """Acceptance by draft position when the engine decodes the validation prompts at a static depth."""
     depth = cfg.get("decode_depth", 4)
-    engine = instantiate(cfg.engine)(target.model, draft.model)
+    engine = instantiate(cfg.engine, temperature=0.0)(target.model, draft.model)  # greedy, whatever engine says
     conversations = instantiate(cfg.data, split="validation", limit=cfg.distill.data.val_prompts).load()
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
     total = DecodeStats.total([engine.generate(prompts[i : i + batch_size], StaticPolicy(k=depth)).stats
                                for i in range(0, len(prompts), batch_size)])
-    return {"depth": depth, "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
+    return {"depth": depth, "dtype": str(target.model.dtype).removeprefix("torch."),  # saved_pair: float32
+            "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
             "mean_accepted": total.mean_accepted,  # tau: per row and verify step
             **{name: getattr(total, name).tolist() for name in ("drafted_at", "reached_at", "accepted_at")},
             # P(position i accepted | the draft proposed it and the target kept positions 1..i-1)
