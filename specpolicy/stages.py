@@ -167,14 +167,12 @@ def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
 def _not_evaluated(cfg: DictConfig, conversations: list) -> list:
     """Without the prompts evaluate.py decodes (`data` as configured): a prompts file without a `split` column
     serves every split, and a head trained on the evaluation's own sequences would be scored on them."""
-    kept = without(conversations, instantiate(cfg.data, limit=None).load())
+    kept = without(conversations, instantiate(cfg.data, limit=None).load(),
+                   "collect", "rollout prompts are evaluation prompts; not decoded")
     if not kept:
         raise SpecPolicyError(f"every rollout prompt is also an evaluation prompt (data.split={cfg.data.split}; a "
                               f"prompts file without a `split` column is every split); give its rows a `split`: "
                               f"train, validation or test")
-    if len(kept) < len(conversations):
-        log.warning("collect: %d of %d rollout prompts are evaluation prompts; not decoded",
-                    len(conversations) - len(kept), len(conversations))
     return kept
 
 

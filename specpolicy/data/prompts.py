@@ -8,6 +8,7 @@ templates are applied by the tokenizer in `encode_prompts`, never by hand.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from specpolicy.errors import SpecPolicyError, check_count
+
+log = logging.getLogger("specpolicy")
 
 EMBEDDED = Path(__file__).parent / "prompts" / "default.jsonl"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -108,11 +111,16 @@ def _conversation(row: dict[str, Any], index: int, source: str) -> Conversation:
     raise SpecPolicyError(f"row {index} of {source} has neither a non-empty 'prompt' string nor a 'messages' list")
 
 
-def without(conversations: list[Conversation], excluded: list[Conversation]) -> list[Conversation]:
+def without(conversations: list[Conversation], excluded: list[Conversation], stage: str,
+            dropped: str) -> list[Conversation]:
     """`conversations` minus those also in `excluded`, compared whole: a prompts file without a `split` column
-    serves every split, so held-out prompts must be taken out of what trains by value."""
+    serves every split, so held-out prompts must be taken out of what trains by value. When any go, `stage`
+    warns how many, then `dropped` (what they were and what becomes of them)."""
     seen = {json.dumps(c) for c in excluded}
-    return [c for c in conversations if json.dumps(c) not in seen]
+    kept = [c for c in conversations if json.dumps(c) not in seen]
+    if len(kept) < len(conversations):
+        log.warning("%s: %d of %d %s", stage, len(conversations) - len(kept), len(conversations), dropped)
+    return kept
 
 
 def encode_prompts(

@@ -265,12 +265,9 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
 
 
 def _keep_apart(groups: dict[str, list], name: str, held_out: list) -> None:
-    """Held out stays held out (`without`), with a warning when it takes any out of group `name`."""
-    kept = without(groups[name], held_out)
-    if len(kept) < len(groups[name]):
-        log.warning("distil: %d of %d %s prompts are also validation or test prompts; not trained on",
-                    len(groups[name]) - len(kept), len(groups[name]), name)
-    groups[name] = kept
+    """Held out stays held out: group `name` without the validation and test prompts."""
+    groups[name] = without(groups[name], held_out, "distil",
+                           f"{name} prompts are also validation or test prompts; not trained on")
 
 
 def _resumable(cfg: DictConfig, trainer: L.Trainer, made_with: dict) -> None:
