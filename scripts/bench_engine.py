@@ -52,16 +52,16 @@ def bench(cfg: DictConfig) -> None:
     assisted = not fuses_features(draft.model)
     groups = _decoders(cfg, engine, target, draft, batch_sizes, assisted)
     rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
+    batches = {bs: full_batches(prompts, bs, "bench.num_prompts") for bs in groups}  # once: it warns per size
     for bs, group in groups.items():  # warm-up, untimed: every decoder at every batch size
         for decode in group.values():
             decode(prompts[:bs])
     for rep in range(cfg.bench.repeats):
         rounds.append({})
         for bs, group in groups.items():
-            batches = full_batches(prompts, bs, "bench.num_prompts")
-            for i, start in enumerate(range(0, len(batches), bs)):
+            for i, start in enumerate(range(0, len(batches[bs]), bs)):
                 for name in rotated(list(group), rep + i):  # none always runs first, into a slow spell
-                    outputs, seconds = group[name](batches[start : start + bs])
+                    outputs, seconds = group[name](batches[bs][start : start + bs])
                     tokens, wall = rounds[-1].get(name, (0, 0.0))
                     rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
     per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
