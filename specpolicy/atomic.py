@@ -68,8 +68,10 @@ def record_path(out: Path) -> Path:
 
 def settings(cfg: DictConfig, keys: list[str], made_from: list[Path] = ()) -> dict[str, Any]:
     """The settings an output depends on: the config's `keys` (dotted), resolved, without `WHERE` keys and with
-    only the `TRAINING` keys of a trainer; plus, per upstream output in `made_from`, a digest of its record."""
-    found = {key: _what(OmegaConf.select(cfg, key, default=None), key) for key in keys}
+    only the `TRAINING` keys of a trainer; plus, per upstream output in `made_from`, a digest of its record.
+    Paths inside the experiment's folder are kept relative to it, so a moved checkpoints folder stays reusable."""
+    home = OmegaConf.select(cfg, "paths.experiment_dir", default=None)
+    found = {key: _relative(_what(OmegaConf.select(cfg, key, default=None), key), home) for key in keys}
     for out in made_from:
         record = record_path(out)
         found[f"from {out.name}"] = hashlib.sha256(record.read_bytes()).hexdigest()[:12] if record.exists() else None
@@ -83,6 +85,16 @@ def _what(node: Any, key: str) -> Any:
         keep = TRAINING if key.split(".")[-1] == "trainer" else None
         return {k: _what(v, k) for k, v in node.items() if k not in WHERE and (keep is None or k in keep)}
     return [_what(v, key) for v in node] if isinstance(node, list) else node
+
+
+def _relative(tree: Any, home: str | None) -> Any:
+    if isinstance(tree, dict):
+        return {k: _relative(v, home) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_relative(v, home) for v in tree]
+    if home and isinstance(tree, str) and Path(tree).is_relative_to(home):
+        return f"<experiment>/{Path(tree).relative_to(home).as_posix()}"
+    return tree
 
 
 def record(out: Path, made_with: dict[str, Any]) -> None:

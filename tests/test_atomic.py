@@ -60,3 +60,16 @@ def test_an_output_is_reused_only_with_the_settings_it_was_made_with(tmp_path: P
     record(upstream, {"k": 8})
     with pytest.raises(SpecPolicyError, match=r"\(from rollouts: the rollouts it was made from was remade\)"):
         written("head", out, settings(cfg, ["head", "seed"], [upstream]))
+
+
+def test_a_moved_experiment_folder_keeps_its_outputs_reusable(tmp_path: Path) -> None:
+    """The draft a profile was made with is recorded by where it lies in the experiment, not on this disk."""
+    def made_with(home: Path) -> dict:
+        cfg = OmegaConf.create({"paths": {"experiment_dir": str(home)},
+                                "trained_draft": {"source": {"path": str(home / "draft")}},
+                                "target": {"path": "/models/other/draft"}})
+        return settings(cfg, ["trained_draft", "target"])
+
+    assert made_with(tmp_path / "a") == made_with(tmp_path / "b")
+    assert made_with(tmp_path / "a")["trained_draft"] == {"source": {"path": "<experiment>/draft"}}
+    assert made_with(tmp_path / "a")["target"] == {"path": "/models/other/draft"}
