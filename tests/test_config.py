@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -155,9 +156,16 @@ def test_a_profile_of_one_kernel_path_never_prices_the_other(tmp_path: Path) -> 
         instantiate(plain.eval.policies.learned)
 
 
-def test_debug_fast_uses_a_tiny_model(tmp_path: Path) -> None:
+def test_debug_fast_uses_a_tiny_model_and_its_own_folder(tmp_path: Path) -> None:
+    """`debug=fast` alone used to write a tiny draft into checkpoints/smollm2_135m, which the real pipeline
+    then refused (made with other settings)."""
     cfg = compose_config("train", ["debug=fast"], tmp_path)
     assert cfg.target.model_type == "llama" and cfg.target._target_.endswith("RandomInitSource")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        debug, real = (compose("train", overrides=overrides) for overrides in (["debug=fast"], []))
+    root = real.paths.root_dir
+    assert (debug.paths.experiment_dir, real.paths.experiment_dir) == (f"{root}/checkpoints/debug/smollm2_135m",
+                                                                       f"{root}/checkpoints/smollm2_135m")
 
 
 def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) -> None:
