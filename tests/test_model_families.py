@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, TINY
 from specpolicy.decode import Engine
 from specpolicy.decode.cache import RaggedCache, forward
+from specpolicy.errors import SpecPolicyError
+from specpolicy.models import RandomInitSource
 from specpolicy.models.draft import FreshDraft, LayerSubsetDraft
 from specpolicy.policy import ArPolicy, StaticPolicy
 
@@ -76,6 +78,23 @@ def test_layer_drafts_keep_each_layers_own_kind(tiny_model) -> None:
         expected = target.model.lm_head(target.model.model.norm(hidden))
         got = LayerSubsetDraft(layers=[3]).build(target).model(ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_drafts_of_a_mixture_of_experts_keep_dense_and_expert_layers_apart() -> None:
+    """Qwen2-MoE names its dense layers by number (`mlp_only_layers`): a draft of target layers [1, 2] has the
+    dense layer 1 at its layer 0. A kind placed by a rule the new numbering breaks (`decoder_sparse_step`)
+    is refused by name, not by a state-dict error."""
+    moe = {**TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 32}
+    target = RandomInitSource("qwen2_moe", {**moe, "mlp_only_layers": [1, 3]}, device=str(DEVICE)).load()
+    draft = LayerSubsetDraft(layers=[1, 2]).build(target).model
+    assert draft.config.mlp_only_layers == [0]
+    for got, want in zip(draft.model.layers, target.model.model.layers[1:3]):
+        assert type(got.mlp) is type(want.mlp)
+        torch.testing.assert_close(got.state_dict(), want.state_dict())
+    stepped = RandomInitSource("qwen2_moe", {**moe, "decoder_sparse_step": 2}, device=str(DEVICE)).load()
+    with pytest.raises(SpecPolicyError, match=r"target layer 1 would sit at draft layer 0, .*draft=fresh"):
+        LayerSubsetDraft(layers=[1, 3]).build(stepped)
 
 
 def test_fresh_drafts_keep_the_targets_head_dim(tiny_model) -> None:

@@ -38,6 +38,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise SpecPolicyError(f"cannot find the decoder layers of a {model.config.model_type} model to build a draft")
 
 
+# config lists of layer numbers, not one entry per layer (transformers' `layer_idx in config.<name>` checks)
+LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers", "index_layers", "rope_scaling_layers")
+
+
 @dataclass
 class LayerSubsetDraft:
     """The target's embedding, final norm and head around a subset of its layers (e.g. [0, 1, -2, -1]);
@@ -64,6 +68,7 @@ class LayerSubsetDraft:
         config = _pick_layers(target.model.config, self.layers)
         draft = _empty_like(target.model, config)
         prefix = _layer_prefix(target.model, source)
+        _check_kinds(picked, decoder_layers(draft), self.layers)
         state = {k: v for k, v in target.model.state_dict().items() if not k.startswith(prefix)}
         for new_idx, layer in enumerate(picked):
             state.update({f"{prefix}{new_idx}.{k}": v for k, v in layer.state_dict().items()})
@@ -81,14 +86,32 @@ class LayerSubsetDraft:
 def _pick_layers(config, layers: Sequence[int]):
     """A copy of `config` for a model of the target's `layers`: every list with one entry per target layer
     (`layer_types`, SmolLM3's `no_rope_layers`, ...: those as long as the layer stack, token ids aside) keeps
-    the entries of those layers, so each layer keeps the attention, RoPE and MLP kind its weights were trained in."""
+    the entries of those layers, and lists of layer indices (`LAYER_INDEX_LISTS`) are renumbered, so each layer
+    keeps the attention, RoPE and MLP kind its weights were trained in."""
     n = config.num_hidden_layers
     config = copy.deepcopy(config)
     config.num_hidden_layers = len(layers)
     for key, value in list(vars(config).items()):
-        if isinstance(value, (list, tuple)) and len(value) == n and not key.startswith("_") and "token_id" not in key:
+        if not isinstance(value, (list, tuple)) or key.startswith("_") or "token_id" in key:
+            continue
+        if key in LAYER_INDEX_LISTS:
+            setattr(config, key, [new for new, old in enumerate(layers) if old % n in value])
+        elif len(value) == n:
             setattr(config, key, [value[i] for i in layers])
     return config
+
+
+def _check_kinds(picked: Sequence[torch.nn.Module], slots: Sequence[torch.nn.Module], layers: Sequence[int]) -> None:
+    """Each draft slot must be built as the target layer it receives (MoE or dense MLP, ...): kinds placed by a
+    rule the draft's numbering breaks (e.g. Qwen2-MoE's `decoder_sparse_step`) are refused here, by name."""
+    for j, (layer, slot) in enumerate(zip(picked, slots)):
+        want = {k: v.shape for k, v in layer.state_dict().items()}
+        if want != {k: v.shape for k, v in slot.state_dict().items()}:
+            raise SpecPolicyError(
+                f"draft.layers={list(layers)}: target layer {layers[j]} would sit at draft layer {j}, which the "
+                f"target's config builds as another kind of layer ({type(slot).__name__} with other weights, "
+                "e.g. a dense MLP where the target has experts: the config places kinds by layer number); pick "
+                "layers whose kinds keep their places, or build a fresh draft (draft=fresh)")
 
 
 def _empty_like(target: torch.nn.Module, config) -> torch.nn.Module:
