@@ -55,6 +55,14 @@ def test_subset_head_scores_its_tokens_only_and_costs_only_their_rows(target):
     torch.testing.assert_close(draft(ids).logits, full_logits)
 
 
+def test_subset_head_keeps_a_biased_heads_bias():
+    """Some LM heads have a bias (GPT-J, Phi-2); the subset scores its tokens as the full head does."""
+    full = torch.nn.Linear(8, 50, bias=True).requires_grad_(False)
+    torch.nn.init.normal_(full.bias, std=5.0)
+    hidden, vocab = torch.randn(3, 8), torch.tensor([1, 7, 30])
+    torch.testing.assert_close(SubsetHead(full, vocab)(hidden)[:, vocab], full(hidden)[:, vocab])
+
+
 def test_a_saved_subset_is_found_through_a_home_relative_path(target, tmp_path: Path, monkeypatch):
     """The model loads from `~/...` (`PretrainedSource` expands it); its subset must come with it."""
     built = LayerSubsetDraft(layers=[0, -1]).build(target)

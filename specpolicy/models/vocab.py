@@ -35,9 +35,12 @@ class SubsetHead(torch.nn.Module):
     def __init__(self, full_head: torch.nn.Module, token_ids: torch.Tensor):
         super().__init__()
         self.vocab_size, width = full_head.weight.shape
-        self.subset = torch.nn.Linear(width, len(token_ids), bias=False, device=full_head.weight.device,
+        bias = getattr(full_head, "bias", None)  # most LMs have none; some (e.g. GPT-J, Phi-2) do
+        self.subset = torch.nn.Linear(width, len(token_ids), bias=bias is not None, device=full_head.weight.device,
                                       dtype=full_head.weight.dtype).requires_grad_(False)
         self.subset.weight.copy_(full_head.weight.detach()[token_ids])
+        if bias is not None:
+            self.subset.bias.copy_(bias.detach()[token_ids])
         if isinstance(full_head, SkinnyLinear):  # score the subset the way the full head scored the vocabulary
             use_skinny_gemm(self.subset)
         self.register_buffer("token_ids", token_ids.to(full_head.weight.device), persistent=False)
