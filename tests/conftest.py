@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-import pytest
-import torch
-
-from specpolicy.models import LoadedModel, RandomInitSource
-
-# Tests never reach a hub, and wandb never goes online from a test.
+# Tests never reach a hub, and wandb never goes online from a test. Set before anything imports
+# huggingface_hub, which reads HF_HUB_OFFLINE once, at import (set later, a hub lookup waited ~45 s here).
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specpolicy.models import LoadedModel, RandomInitSource  # noqa: E402
 
 # Where tiny models live: CPU in CI; SPECPOLICY_TEST_DEVICE=cuda runs the engine's exactness tests on a GPU
 # (tests/test_engine_parity.py and tests/test_engine_sampling.py place their tensors on this device).

@@ -51,7 +51,8 @@ def test_hf_folder_round_trip(tiny_model, model_type: str, tmp_path: Path) -> No
     "path,message",
     [("./no/such/model", "model path './no/such/model' does not exist"),
      ("missing.gguf", "GGUF file 'missing.gguf' does not exist"),
-     ("package:no_such_pkg/x.gguf", "package 'no_such_pkg' is not installed")],
+     ("package:no_such_pkg/x.gguf", "package 'no_such_pkg' is not installed"),
+     ("gpt2", "cannot load model 'gpt2': not a local HF folder, and the hub could not provide it")],  # owner-less id
 )
 def test_missing_sources_name_the_fix(path: str, message: str) -> None:
     with pytest.raises(SpecPolicyError, match=message):

@@ -103,13 +103,14 @@ class PretrainedSource:
         path = Path(self.path).expanduser()
         if path.exists():
             return path
-        looks_local = self.path.startswith((".", "/", "~")) or path.suffix == ".gguf" or self.path.count("/") != 1
+        # hub ids are `owner/name` or, for the oldest models, a bare name (`gpt2`)
+        looks_local = self.path.startswith((".", "/", "~")) or path.suffix == ".gguf" or self.path.count("/") > 1
         if looks_local:
             kind = "GGUF file" if path.suffix == ".gguf" else "model path"
             fix = self.missing or ("point target.path / draft.path at an HF model folder, a .gguf file or a hub id "
                                    "(owner/name)")
             raise SpecPolicyError(f"{kind} {self.path!r} does not exist; {fix}")
-        return Path(self.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+        return Path(self.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct or gpt2
 
     def _converted(self, gguf: Path) -> Path:
         """An HF folder holding the dequantised GGUF weights, converted once and cached."""
