@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import synthetic
-from conftest import DEVICE
+from conftest import DEVICE, TINY
 from specpolicy.decode import DecodeResult, Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError
-from specpolicy.models import LoadedModel
+from specpolicy.models import LoadedModel, RandomInitSource
 from specpolicy.models.attention import sliding_window
 from specpolicy.models.draft import LayerSubsetDraft
 from specpolicy.policy import (
@@ -433,3 +433,44 @@ def test_engine_refuses_what_it_cannot_decode(tiny_model) -> None:
     with pytest.raises(SpecPolicyError, match=f"a prompt of {context - 3} tokens \\+ max_new_tokens=4 exceeds"):
         plain.generate([[1] * (context - 3)], ArPolicy())
     assert len(plain.generate([[1] * (context - 4)], ArPolicy()).outputs[0]) == 4  # exactly the context fits
+
+
+@pytest.mark.parametrize("prompts, policy, message", [
+    ([[1, 999]], ArPolicy(), "prompt token 999 is not an id of the target's vocabulary (0..259)"),
+    ([[1, -1]], ArPolicy(), "prompt token -1 is not an id"),
+    ([1, 2, 3], ArPolicy(), "prompts must be a list of token-id lists"),
+    (torch.tensor([[1, 2]]), ArPolicy(), "prompts must be a list of token-id lists"),
+    ([[1, 2]], ArPolicy, "policy must be a DepthPolicy instance"),
+    ([[1, 2], [3]], "oracle", "the oracle's reference holds 1 outputs for a batch of 2 prompts"),
+])
+def test_engine_refuses_misuse_from_a_notebook(tiny_model, prompts, policy, message: str) -> None:
+    """Easy slips when calling the engine directly, each one SpecPolicyError (they were index or type errors
+    from inside torch, or, for a stale oracle reference, an IndexError mid-decode)."""
+    target = tiny_model()
+    if policy == "oracle":
+        policy = OraclePolicy(k=2)
+        policy.set_reference([[5, 6]])
+    with pytest.raises(SpecPolicyError, match=re.escape(message)):
+        Engine(target.model, target.model, max_new_tokens=2).generate(prompts, policy)
+    with pytest.raises(SpecPolicyError, match="pass target.model, not the LoadedModel"):
+        Engine(target)
+    with pytest.raises(SpecPolicyError, match="eos_token_id must be a token id or a list of them, got '</s>'"):
+        Engine(target.model, eos_token_id="</s>")
+
+
+def test_engine_refuses_a_draft_of_another_vocabulary_or_shorter_context(tiny_model) -> None:
+    """`check_compatible` needs tokenizers; the engine, given models alone, checks what they tell."""
+    target = tiny_model()
+    with pytest.raises(SpecPolicyError, match=r"vocabulary sizes differ \(target llama: 260, draft llama: 400\)"):
+        Engine(target.model, tiny_model(vocab_size=400).model)
+    with pytest.raises(SpecPolicyError, match=r"draft context is shorter than the target's \(target llama: 512, draft"):
+        Engine(target.model, tiny_model(max_position_embeddings=16).model)
+
+
+@pytest.mark.parametrize("model_type, config", [("bloom", {}), ("falcon", {"alibi": True}), ("rwkv", {})])
+def test_models_the_engine_cannot_steer_are_refused(model_type: str, config: dict) -> None:
+    """Bloom and Falcon's ALiBi build their biases from a 2D mask (crashes at batch 2); RWKV takes the cache and
+    ignores it (wrong outputs, silently)."""
+    model = RandomInitSource(model_type, {**TINY, **config}, device=str(DEVICE)).load().model
+    with pytest.raises(SpecPolicyError, match="ALiBi builds its position biases|did not use the engine's KV cache"):
+        Engine(model, max_new_tokens=2).generate([[1, 2], [3]], ArPolicy())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache, PreTrainedModel
 
+from specpolicy.errors import SpecPolicyError
 from specpolicy.models.attention import layer_masks, sliding_window
 from specpolicy.models.fusion import model_inputs
 from specpolicy.models.vocab import scorer
@@ -107,5 +108,8 @@ def forward(
         cache=cache,
         use_cache=True,
     ).last_hidden_state  # [B, W, d]
+    if not cache.keys:  # a recurrent model (RWKV) takes `cache` and ignores it: its output would be wrong
+        raise SpecPolicyError(f"{model.config.model_type} did not use the engine's KV cache; specpolicy decodes "
+                              f"attention models that use transformers' Cache API")
     picked = hidden.gather(1, keep[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, K, d]
     return scorer(model)[0](picked).float(), hidden  # [B, K, V], [B, W, d]

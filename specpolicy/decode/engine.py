@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from numbers import Integral
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -37,7 +38,8 @@ from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.fusion import fuses_features
-from specpolicy.models.loading import context_length, eos_ids
+from specpolicy.models.compat import check_models
+from specpolicy.models.loading import LoadedModel, context_length, eos_ids
 from specpolicy.models.vocab import subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
@@ -105,6 +107,11 @@ class Engine:
         prompts, fp32 `ar` at batch 2 / 4 / 8: 62.3 / 86.2 / 85.4 tok/s against 58.3 / 82.5 / 86.0 with 0)."""
         check_settings({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                         "solo_above": solo_above, "max_padding": max_padding})
+        for role, model in (("target", target), ("draft", draft)):
+            if isinstance(model, LoadedModel):  # what every source and draft builder returns
+                raise SpecPolicyError(f"Engine takes models: pass {role}.model, not the LoadedModel")
+        if draft is not None:
+            check_models(target, draft)
         self.target, self.draft = target, draft
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
         self.solo_above, self.max_padding = solo_above, max_padding
@@ -150,8 +157,17 @@ class Engine:
 
     # ---------------------------------------------------------------- setup
     def _check(self, prompts: list[list[int]], policy: DepthPolicy) -> None:
+        if not isinstance(policy, DepthPolicy):
+            raise SpecPolicyError(f"policy must be a DepthPolicy instance, e.g. StaticPolicy(k=4); got {policy!r}")
+        if isinstance(prompts, (str, torch.Tensor)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+            raise SpecPolicyError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]]): "
+                                  "encode text with the target's tokenizer first")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise SpecPolicyError("every prompt needs at least one token")
+        bad = next((t for p in prompts for t in p if not isinstance(t, Integral) or not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise SpecPolicyError(f"prompt token {bad!r} is not an id of the target's vocabulary "
+                                  f"(0..{self.vocab - 1}); encode prompts with the target's tokenizer")
         if policy.max_depth and self.draft is None:
             raise SpecPolicyError(f"{type(policy).__name__} drafts up to {policy.max_depth} tokens but no draft model "
                                   f"is set")

@@ -17,7 +17,12 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 def sliding_layers(config: PretrainedConfig) -> tuple[int, int | None]:
     """(how many layers slide, over how many of their last keys), or (0, None) when every layer sees its whole
     prefix. Without `layer_types` (Mistral) a window applies to every layer; with them (Qwen2, Gemma) to those
-    typed `sliding_attention`. A model with other kinds of layers (chunked, linear attention) is refused."""
+    typed `sliding_attention`. A model with other kinds of layers (chunked, linear attention), or whose ALiBi needs
+    a 2D mask (Bloom, Falcon's option), is refused."""
+    if config.model_type == "bloom" or getattr(config, "alibi", False) is True:  # Falcon's option
+        raise SpecPolicyError(f"{config.model_type} with ALiBi builds its position biases from a 2D padding mask, "
+                              f"which cannot say where each row's cache ends; specpolicy needs a model that takes a 4D "
+                              f"attention mask (RoPE or learned positions, or MPT's ALiBi)")
     types = getattr(config, "layer_types", None)
     unknown = sorted(set(types or ()) - set(ATTENTION_TYPES))
     if unknown:

@@ -6,8 +6,11 @@ from typing import TYPE_CHECKING
 
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
+from specpolicy.models.loading import context_length
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from specpolicy.models.loading import LoadedModel
 
 FIX = ("build the draft from the target (draft=layers or draft=fresh) or pick a draft trained with the target's "
@@ -26,24 +29,31 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         t_id, d_id = getattr(t_tok, attr), getattr(d_tok, attr)
         if t_id != d_id:
             raise SpecPolicyError(f"{attr} differs (target {target.name}: {t_id}, draft {draft.name}: {d_id}); {FIX}")
-    t_vocab, d_vocab = target.model.config.vocab_size, draft.model.config.vocab_size
+    check_models(target.model, draft.model, target.name, draft.name)
+
+
+def check_models(target: PreTrainedModel, draft: PreTrainedModel, t_name: str | None = None,
+                 d_name: str | None = None) -> None:
+    """What the models alone tell (`Engine` checks these, as it gets no tokenizers): the same output vocabulary,
+    enough context, the target's width for a draft that reads its features, one device and dtype."""
+    t_name = t_name or target.config.name_or_path or target.config.model_type
+    d_name = d_name or draft.config.name_or_path or draft.config.model_type
+    t_vocab, d_vocab = target.config.vocab_size, draft.config.vocab_size
     if t_vocab != d_vocab:
+        raise SpecPolicyError(f"output vocabulary sizes differ (target {t_name}: {t_vocab}, draft {d_name}: "
+                              f"{d_vocab}); {FIX}")
+    t_context, d_context = context_length(target.config), context_length(draft.config)
+    if d_context < t_context:
+        raise SpecPolicyError(f"draft context is shorter than the target's (target {t_name}: {t_context}, draft "
+                              f"{d_name}: {d_context}); use a draft with at least the target's context")
+    t_width, d_width = target.config.hidden_size, draft.config.hidden_size
+    if fuses_features(draft) and t_width != d_width:
         raise SpecPolicyError(
-            f"output vocabulary sizes differ (target {target.name}: {t_vocab}, draft {draft.name}: {d_vocab}); {FIX}"
-        )
-    if draft.context_length < target.context_length:
-        raise SpecPolicyError(
-            f"draft context is shorter than the target's (target {target.name}: {target.context_length}, "
-            f"draft {draft.name}: {draft.context_length}); use a draft with at least the target's context"
-        )
-    t_width, d_width = target.model.config.hidden_size, draft.model.config.hidden_size
-    if fuses_features(draft.model) and t_width != d_width:
-        raise SpecPolicyError(
-            f"draft {draft.name} reads the target's features, so its hidden size must be the target's (target "
-            f"{target.name}: {t_width}, draft: {d_width}); use the target it was distilled from, or build a fusing "
+            f"draft {d_name} reads the target's features, so its hidden size must be the target's (target "
+            f"{t_name}: {t_width}, draft: {d_width}); use the target it was distilled from, or build a fusing "
             f"draft from this target's layers (draft=layers draft_fuse_features=true)"
         )
-    t_param, d_param = next(target.model.parameters()), next(draft.model.parameters())
+    t_param, d_param = next(target.parameters()), next(draft.parameters())
     if (t_param.device, t_param.dtype) != (d_param.device, d_param.dtype):
         raise SpecPolicyError(
             f"target and draft live on different devices/dtypes (target: {t_param.device}/{t_param.dtype}, "

@@ -57,7 +57,11 @@ def context_length(config: Any) -> int:
 
 def eos_ids(eos_token_id: int | list[int] | None) -> list[int]:
     """A generation config's `eos_token_id` (one id, several, or none) as a list."""
-    return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if isinstance(ids, str) or not all(isinstance(i, int) for i in ids):
+        raise SpecPolicyError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r} (a token's "
+                              f"id is tokenizer.convert_tokens_to_ids(token))")
+    return list(ids)
 
 
 def _finish(model: PreTrainedModel, dtype: str, device: str, skinny_gemm: bool) -> PreTrainedModel:

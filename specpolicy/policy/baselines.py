@@ -135,15 +135,23 @@ class OraclePolicy(DepthPolicy):
         self._reference: torch.Tensor | None = None
 
     def set_reference(self, outputs: list[list[int]]) -> None:
+        """The target's greedy outputs for the next batch, one per prompt, in the batch's order."""
+        if not outputs:
+            raise SpecPolicyError("the oracle's reference is empty: pass the target's greedy output of every prompt")
         width = max(map(len, outputs)) + self.k + 1
         ref = torch.full((len(outputs), width), -1, dtype=torch.long)
         for i, out in enumerate(outputs):
             ref[i, : len(out)] = torch.tensor(out, dtype=torch.long)
         self._reference = ref
 
-    def budget(self, state: StepState) -> torch.Tensor:
+    def reset(self, batch_size: int) -> None:
         if self._reference is None:
             raise SpecPolicyError("the oracle policy needs the target's greedy outputs first (set_reference)")
+        if len(self._reference) != batch_size:
+            raise SpecPolicyError(f"the oracle's reference holds {len(self._reference)} outputs for a batch of "
+                                  f"{batch_size} prompts; set_reference with this batch's greedy outputs first")
+
+    def budget(self, state: StepState) -> torch.Tensor:
         return torch.full_like(state.generated, self.k)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
