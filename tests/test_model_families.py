@@ -10,7 +10,7 @@ from specpolicy.decode import Engine
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import RandomInitSource
-from specpolicy.models.draft import FreshDraft, LayerSubsetDraft
+from specpolicy.models.draft import FreshDraft, LayerSubsetDraft, decoder_layers
 from specpolicy.policy import ArPolicy, StaticPolicy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -95,6 +95,23 @@ def test_layer_drafts_of_a_mixture_of_experts_keep_dense_and_expert_layers_apart
     stepped = RandomInitSource("qwen2_moe", {**moe, "decoder_sparse_step": 2}, device=str(DEVICE)).load()
     with pytest.raises(SpecPolicyError, match=r"target layer 1 would sit at draft layer 0, .*draft=fresh"):
         LayerSubsetDraft(layers=[1, 3]).build(stepped)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "phi", "falcon", "opt"])
+def test_fresh_drafts_of_families_laid_out_unlike_llama(family: str) -> None:
+    """Final norms named ln_f / final_layer_norm, MLP sizes not named intermediate_size, a derived head_dim, OPT's
+    layers under model.decoder: each stopped `draft=fresh` with an AttributeError. At the target's width every
+    weight outside the layers is the target's; a narrower draft builds and decodes (losslessly, as any draft)."""
+    target = RandomInitSource(family, TINY, device=str(DEVICE)).load()
+    draft = FreshDraft(num_hidden_layers=1).build(target).model
+    in_layers = {id(p) for p in decoder_layers(draft).parameters()}
+    t_params = dict(target.model.named_parameters())
+    outside = [(name, p) for name, p in draft.named_parameters() if id(p) not in in_layers]
+    assert outside and all(torch.equal(p, t_params[name]) for name, p in outside)
+    narrow = FreshDraft(num_hidden_layers=1, hidden_size=32, num_attention_heads=2).build(target).model
+    engine = Engine(target.model, narrow, max_new_tokens=6, eos_token_id=[])
+    prompts = [[5, 6, 7], [8, 9]]
+    assert engine.generate(prompts, StaticPolicy(k=2)).outputs == engine.generate(prompts, ArPolicy()).outputs
 
 
 def test_fresh_drafts_keep_the_targets_head_dim(tiny_model) -> None:

@@ -35,6 +35,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for name in ("layers", "h", "blocks"):
         if isinstance(getattr(base, name, None), torch.nn.ModuleList):
             return getattr(base, name)
+    n = model.config.num_hidden_layers  # deeper (OPT: model.decoder.layers): the first list of that many modules
+    for module in base.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
     raise SpecPolicyError(f"cannot find the decoder layers of a {model.config.model_type} model to build a draft")
 
 
@@ -204,23 +208,30 @@ class FreshDraft:
         scale = hidden / config.hidden_size
         narrowed = (hidden, heads) != (config.hidden_size, config.num_attention_heads)
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads = hidden, heads, kv_heads
-        config.intermediate_size = self.intermediate_size or int(config.intermediate_size * scale)
-        if getattr(config, "head_dim", None) and narrowed:  # else the target's, which need not be hidden / heads
+        if getattr(config, "intermediate_size", None):  # GPT-2 and OPT size their MLPs by other names
+            config.intermediate_size = self.intermediate_size or int(config.intermediate_size * scale)
+        elif self.intermediate_size:
+            raise SpecPolicyError(f"a {config.model_type} config has no intermediate_size; leave "
+                                  "draft.intermediate_size null (the family's own MLP size applies)")
+        # else the target's head_dim, which need not be hidden / heads (some configs derive it: no setter)
+        if narrowed and "head_dim" in vars(config):
             config.head_dim = hidden // heads
         return config
 
     @torch.no_grad()
     def _init_from(self, target: torch.nn.Module, draft: torch.nn.Module) -> None:
+        if draft.config.hidden_size == target.config.hidden_size:  # all but the layers is the target's: embedding,
+            layers = _layer_prefix(target, decoder_layers(target))  # final norm, head, GPT-2's learned positions
+            outside = {k: v for k, v in target.state_dict().items() if not k.startswith(layers)}
+            draft.load_state_dict(outside, strict=False)
+            return
         t_emb = target.get_input_embeddings().weight  # [V, H]
-        d_emb = draft.get_input_embeddings().weight  # [V, h]
+        d_emb = draft.get_input_embeddings().weight  # [V, h] (OPT: its word_embed_proj_dim, maybe H)
         basis = _top_directions(t_emb, d_emb.shape[1])  # [H, h]
         d_emb.copy_(t_emb @ basis)
         t_head, d_head = target.get_output_embeddings(), draft.get_output_embeddings()
         if d_head is not None and d_head.weight is not d_emb:  # untied head: project it the same way
             d_head.weight.copy_(t_head.weight @ basis)
-        if d_emb.shape[1] == t_emb.shape[1]:  # same width: the target's final norm matches its head
-            t_norm, d_norm = target.base_model.norm, draft.base_model.norm
-            d_norm.load_state_dict(t_norm.state_dict())
 
 
 def _top_directions(weight: torch.Tensor, k: int) -> torch.Tensor:
