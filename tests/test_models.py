@@ -59,6 +59,16 @@ def test_missing_sources_name_the_fix(path: str, message: str) -> None:
         PretrainedSource(path=path, device="cpu", cache_dir="/tmp").load()
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"vocab_size": 200}, "target.config.vocab_size=200 is below the byte tokenizer's 260 tokens"),
+    ({**TINY, "num_attention_heads": 3}, "target.config cannot build a llama model"),
+])
+def test_random_models_refuse_configs_they_cannot_build(config: dict, message: str) -> None:
+    """A vocabulary below the tokenizer's ids was an AssertionError from torch's embedding."""
+    with pytest.raises(SpecPolicyError, match=message):
+        RandomInitSource(config=config, device="cpu").load()
+
+
 def test_incomplete_hf_folders_say_what_is_missing(target, tmp_path: Path) -> None:
     """A folder that is not a saved model (the experiment folder instead of its draft/, or a copy without its
     weights) is one error naming the folder, not a tokenizer traceback from inside transformers."""

@@ -213,14 +213,17 @@ class RandomInitSource:
             "initializer_range": 0.3,
             **self.config,
         }
+        if kwargs["vocab_size"] < len(tokenizer):
+            raise SpecPolicyError(f"target.config.vocab_size={kwargs['vocab_size']} is below the byte tokenizer's "
+                                  f"{len(tokenizer)} tokens; leave it unset, or set at least {len(tokenizer)}")
         try:  # transformers validates the fields and the architecture (heads dividing the width, ...)
             config = AutoConfig.for_model(self.model_type, **kwargs)
-        except (StrictDataclassError, TypeError, ValueError) as err:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        except (StrictDataclassError, TypeError, ValueError, AssertionError) as err:
             problem = " ".join(str(err).split())
             raise SpecPolicyError(f"target.config cannot build a {self.model_type} model: {problem}") from err
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return LoadedModel(_finish(model, self.dtype, self.device, self.skinny_gemm), tokenizer, self.name)
 
     @property
