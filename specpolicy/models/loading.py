@@ -213,9 +213,10 @@ class RandomInitSource:
             "initializer_range": 0.3,
             **self.config,
         }
-        if kwargs["vocab_size"] < len(tokenizer):
-            raise SpecPolicyError(f"target.config.vocab_size={kwargs['vocab_size']} is below the byte tokenizer's "
-                                  f"{len(tokenizer)} tokens; leave it unset, or set at least {len(tokenizer)}")
+        specials = {k: kwargs[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        if any(i is not None and i >= kwargs["vocab_size"] for i in specials.values()):  # a small vocabulary
+            raise SpecPolicyError(f"target.config.vocab_size={kwargs['vocab_size']} leaves out special ids {specials}; "
+                                  f"set those below it too, or leave vocab_size unset")
         try:  # transformers validates the fields and the architecture (heads dividing the width, ...)
             config = AutoConfig.for_model(self.model_type, **kwargs)
             with torch.random.fork_rng(devices=[]):
