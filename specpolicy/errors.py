@@ -89,7 +89,18 @@ TRAINER_INTS = {"max_epochs": -1, "max_steps": -1, "min_epochs": 0, "min_steps":
 
 
 def check_trainer(setting: str, trainer) -> None:
-    """The integer knobs of a Trainer config (`setting`: where it lives, e.g. `head.trainer`) that are set."""
+    """The integer knobs of a Trainer config (`setting`: where it lives, e.g. `head.trainer`) that are set. A limit
+    of 0 epochs or steps trains nothing: `head.trainer.max_epochs=0` saved a random head as if trained."""
     for key, low in TRAINER_INTS.items():
         if trainer.get(key) is not None:
             check_int(f"{setting}.{key}", trainer[key], low)
+    for key in ("max_epochs", "max_steps"):
+        if trainer.get(key) == 0:
+            raise SpecPolicyError(f"{setting}.{key}=0 trains nothing; set it to 1 or more (-1: no limit)")
+
+
+def check_bool(setting: str, value) -> bool:
+    """`value` as a bool: Hydra passes `no`, `off` or a typo through as a string, which Python reads as true."""
+    if not isinstance(value, bool):
+        raise SpecPolicyError(f"{setting} must be true or false, got {value!r}")
+    return value

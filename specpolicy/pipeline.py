@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from specpolicy import stages
 from specpolicy.atomic import record_path
@@ -26,7 +26,7 @@ from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
-from specpolicy.errors import SpecPolicyError, check_count, check_counts, check_int, fitting_batch_sizes
+from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_counts, check_int, fitting_batch_sizes
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise
@@ -50,9 +50,13 @@ CHECKS: dict[str, Callable[[DictConfig], object]] = {"distil": check_distil, "pr
 
 
 def train(cfg: DictConfig) -> None:
+    if not isinstance(cfg.stages, ListConfig):  # `stages=distil` was read as the letters d, i, s, ...
+        raise SpecPolicyError(f"stages must be a list, e.g. 'stages=[{cfg.stages}]', got {cfg.stages!r}")
     unknown = [s for s in cfg.stages if s not in STAGES]
     if unknown:
         raise SpecPolicyError(f"unknown stage(s) {unknown} in stages=; choose from {list(STAGES)}")
+    if not cfg.stages:
+        log.warning("train: stages=[] runs nothing; list some of %s", list(STAGES))
     check_int("seed", cfg.seed)
     for stage in cfg.stages:  # a setting that would fail a later stage fails now, not after a distillation
         CHECKS.get(stage, lambda _: None)(cfg)
@@ -138,6 +142,7 @@ def check_eval_settings(settings: DictConfig) -> None:
     """Refuse batch sizes, prompt counts and repeats that cannot decode before any model loads (`eval.batch_sizes=[0]`
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
     check_counts("eval.batch_sizes", settings.batch_sizes)
+    check_bool("eval.hf_baselines", settings.hf_baselines)
     check_count("eval.repeats", settings.repeats)
     if settings.num_prompts is not None:  # null: the whole split
         check_count("eval.num_prompts", settings.num_prompts)

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import RaggedCache, forward
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_bool
 from specpolicy.models import skinny
 from specpolicy.models.fusion import timing_features
 from specpolicy.runtime import resolve_device, resolve_dtype, synchronize
@@ -61,6 +61,7 @@ def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bo
     (`models.skinny`). Those are other kernels with another curve (a 2-token forward at batch 1: 25.4 ms
     against 63.6 ms through `nn.Linear`), so a profile of one path must never price the other."""
     device = resolve_device(device)
+    check_bool("runtime.skinny_gemm", skinny_gemm)
     kernels = "-skinny" if skinny_gemm and skinny.applies(device, resolve_dtype(dtype)) else ""
     return Path(directory) / f"{device_name(device)}-{dtype}{kernels}.json"
 

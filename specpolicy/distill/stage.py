@@ -25,7 +25,7 @@ from specpolicy.atomic import check_made_with, record, settings, written
 from specpolicy.cli import experiment_logger, run_trainer
 from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
-from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number, check_trainer
+from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import describe_cost
 from specpolicy.models.fusion import fuses_features
@@ -64,6 +64,8 @@ def check_distil(cfg: DictConfig) -> None:
                               f"cache keeps its top {d.data.top_k} only (at T=2 its even tail would take most of the "
                               f"mass); set distill.target_probs=online, or distill.temperature=1")
     check_number("distill.feature_loss", d.feature_loss, 0, why="a loss weight")
+    check_bool("distill.freeze_embeddings", d.freeze_embeddings)
+    check_bool("distill.data.prompt_loss", d.data.prompt_loss)
     check_count("distill.batch_size", d.batch_size)
     check_count("distill.max_length", d.max_length)
     check_int("distill.unroll", d.unroll, 0)
@@ -80,12 +82,15 @@ def check_distil(cfg: DictConfig) -> None:
     except (ValueError, TypeError) as err:
         raise SpecPolicyError(f"distill.optimizer: {err}; fix its settings (e.g. distill.optimizer.lr=3e-4)") from err
     if d.get("scheduler"):  # built as the module builds it, inside fit
+        if d.scheduler.get("num_warmup_steps") is not None:  # negative: the schedule would start partway through
+            check_int("distill.scheduler.num_warmup_steps", d.scheduler.num_warmup_steps, 0)
         try:
             instantiate(d.scheduler)(optimizer, num_training_steps=cfg.trainer.max_steps)
         except (ValueError, TypeError) as err:
             raise SpecPolicyError(f"distill.scheduler: {err}; fix its settings (e.g. "
                                   f"distill.scheduler.num_warmup_steps=20)") from err
     instantiate(d.data)
+    instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
 
 
 def distil(cfg: DictConfig) -> None:

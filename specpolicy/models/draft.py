@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specpolicy.cost.flops import FlopModel
-from specpolicy.errors import SpecPolicyError, check_count, check_int
+from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int
 from specpolicy.models.compat import check_compatible
 from specpolicy.models.fusion import attach_fusion
 from specpolicy.models.loading import LoadedModel, PretrainedSource
@@ -59,6 +59,7 @@ class LayerSubsetDraft:
             raise SpecPolicyError(f"draft.layers must be a list of target layer indices, e.g. [{self.layers}], "
                                   f"got {self.layers!r}")
         self.layers = [check_int(f"draft.layers[{j}]", i) for j, i in enumerate(self.layers)]
+        check_bool("draft_fuse_features", self.fuse_features)
 
     def build(self, target: LoadedModel) -> LoadedModel:
         source = decoder_layers(target.model)
@@ -175,6 +176,7 @@ class FreshDraft:
 
     def __post_init__(self) -> None:
         check_count("draft.num_hidden_layers", self.num_hidden_layers)
+        check_bool("draft.init_from_target", self.init_from_target)
         for size in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
             if getattr(self, size) is not None:  # null keeps the target's
                 check_count(f"draft.{size} (or null for the target's)", getattr(self, size))

@@ -24,7 +24,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specpolicy.atomic import atomic_path
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_bool
 from specpolicy.models.fusion import load_fusion
 from specpolicy.models.skinny import use_skinny_gemm
 from specpolicy.models.tiny import byte_tokenizer
@@ -88,6 +88,7 @@ class PretrainedSource:
 
     def load(self) -> LoadedModel:
         resolve_dtype(self.dtype), resolve_device(self.device)  # fail on bad values before a slow load
+        check_bool("runtime.skinny_gemm", self.skinny_gemm)
         path = self._resolve()
         if path.suffix == ".gguf":
             path = self._converted(path)
@@ -204,6 +205,7 @@ class RandomInitSource:
     skinny_gemm: bool = True
 
     def load(self) -> LoadedModel:
+        check_bool("runtime.skinny_gemm", self.skinny_gemm)
         tokenizer = byte_tokenizer()
         kwargs = {
             "vocab_size": len(tokenizer),

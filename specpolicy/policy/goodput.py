@@ -55,7 +55,7 @@ import torch
 
 from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile, profile_file
-from specpolicy.errors import check_depth, check_number
+from specpolicy.errors import check_bool, check_depth, check_number
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.policy.head import DepthHead
 from specpolicy.rollout.features import COLUMN
@@ -130,6 +130,7 @@ class GoodputPolicy(DepthPolicy):
         check_number("goodput/learned strength", strength, 0, low_open=True)
         check_number("goodput/learned memory", memory, 0, 1, low_open=True)
         check_number("goodput/learned optimism", optimism, 0)
+        check_bool("goodput/learned wait_for_slowest", wait_for_slowest)
         if prior is not None:
             check_number("goodput/learned prior (or null)", prior, 0, 1)
         self.max_depth = check_depth("goodput/learned", k)
