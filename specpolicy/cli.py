@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,13 +70,33 @@ class FailedJobs(Callback):
 def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: Any) -> Any:
     """`trainer.fit` / `.validate` / `.test` (`how`), whose Ctrl-C comes back as a KeyboardInterrupt: Lightning
     shuts down gracefully, then calls sys.exit(1), which would skip entry()'s line on what was kept and how to
-    go on (and exit with 1, not 130)."""
+    go on (and exit with 1, not 130). A `ckpt_path="last"` to resume from is checked first."""
+    folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
+    if kwargs.get("ckpt_path") == "last" and folder and (Path(folder) / "last.ckpt").exists():
+        check_checkpoint("the checkpoint to resume from", Path(folder) / "last.ckpt")
     try:
         return getattr(trainer, how)(module, **kwargs)
     except SystemExit:
         if trainer.interrupted:
             raise KeyboardInterrupt from None
         raise
+
+
+def check_ckpt_path(setting: str, ckpt_path: str | None) -> None:
+    """A `ckpt_path` setting that names a file (not Lightning's null / "last" / "best"), checked before any work."""
+    if ckpt_path not in (None, "last", "best"):
+        check_checkpoint(setting, ckpt_path)
+
+
+def check_checkpoint(setting: str, path: str | Path) -> None:
+    """A Lightning checkpoint to resume from must be a whole one: a truncated file ended in torch's "failed finding
+    central directory", a stray one in an unpickling error whose advice (weights_only=False) is unsafe."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecPolicyError(f"{setting}: {path} does not exist; point it at a .ckpt file, or null to start over")
+    if not zipfile.is_zipfile(path):  # torch saves checkpoints as zip archives, whose directory comes last
+        raise SpecPolicyError(f"{setting}: {path} is not a whole checkpoint (cut short while saving, or another "
+                              f"kind of file); delete it to start over")
 
 
 def check_set(cfg: DictConfig | Any) -> None:

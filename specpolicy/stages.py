@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path, record, settings, written
-from specpolicy.cli import experiment_logger, run_trainer
+from specpolicy.cli import check_ckpt_path, experiment_logger, run_trainer
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts, without
@@ -112,6 +112,7 @@ def check_head(cfg: DictConfig) -> None:
     check_number("head.lr", h.lr, 0, low_open=True)
     check_number("head.val_fraction", h.val_fraction, 0, 1, low_open=True, high_open=True)
     check_trainer("head.trainer", h.trainer)
+    check_ckpt_path("head.ckpt_path", h.ckpt_path)
 
 
 def collect(cfg: DictConfig) -> None:

@@ -122,6 +122,7 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("train", "head.trainer.max_epochs=0", "head.trainer.max_epochs=0 trains nothing"),  # saved a random head
     ("train", "distill.scheduler.num_warmup_steps=-5", "distill.scheduler.num_warmup_steps must be an integer >= 0"),
     ("train", "stages=distil", "stages must be a list, e.g. 'stages=[distil]'"),  # was "unknown stage(s) ['d', ...]"
+    ("train", "head.ckpt_path=/nowhere/x.ckpt", "head.ckpt_path: /nowhere/x.ckpt does not exist"),  # was after distil
 ])
 def test_a_bad_count_is_named_before_any_work(task: str, override: str, message: str, tmp_path: Path) -> None:
     """evaluate before any model loads; train before the distil stage, for every selected stage's settings."""

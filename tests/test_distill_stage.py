@@ -154,6 +154,11 @@ def test_killed_run_resumed_from_last_matches_uninterrupted(shared):
     with pytest.raises(SpecPolicyError, match=r"checkpoints was made with other settings \(distill.loss._target_: .*"
                                               r"\); delete .*checkpoints to start over"):
         distil(_cfg(shared, "resumed", *every, "distill/loss=tvd"))
+    whole = (ckpt_dir / "last.ckpt").read_bytes()  # a kill while saving: torch's "failed finding central directory"
+    (ckpt_dir / "last.ckpt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SpecPolicyError, match=r"last.ckpt is not a whole checkpoint .*; delete it to start over"):
+        distil(_cfg(shared, "resumed", *every))
+    (ckpt_dir / "last.ckpt").write_bytes(whole)
     RecordBatches.batches = []
     distil(_cfg(shared, "resumed", *every))  # distill.ckpt_path=last by default
     assert len(straight_batches) == 7 and RecordBatches.batches == straight_batches[4:]

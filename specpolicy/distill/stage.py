@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import check_made_with, record, settings, written
-from specpolicy.cli import experiment_logger, run_trainer
+from specpolicy.cli import check_ckpt_path, experiment_logger, run_trainer
 from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
@@ -91,6 +91,7 @@ def check_distil(cfg: DictConfig) -> None:
                                   f"distill.scheduler.num_warmup_steps=20)") from err
     instantiate(d.data)
     instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
+    check_ckpt_path("distill.ckpt_path", d.ckpt_path)
 
 
 def distil(cfg: DictConfig) -> None:
