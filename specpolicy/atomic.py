@@ -109,13 +109,26 @@ def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) 
     if not path.exists():
         log.warning("%s: %s has no record of the settings it was made with; reusing it as it is", stage, out)
         return
-    old, new = _flat(json.loads(path.read_text())), _flat(json.loads(json.dumps(made_with)))
-    changed = [f"{k}: the {k.removeprefix('from ')} it was made from was remade" if k.startswith("from ")
-               else f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}"
+    try:
+        old = _flat(json.loads(path.read_text()))
+    except ValueError as err:  # written whole by `record`: damaged by hand or by the disk
+        raise SpecPolicyError(f"{stage}: the settings record {path} is damaged ({err}); delete it and {out} to "
+                              f"remake {out.name}") from err
+    new = _flat(json.loads(json.dumps(made_with)))
+    changed = [_change(k, old.get(k, "(unset)"), new.get(k, "(unset)"))
                for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
     if changed:
         more = f"; and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise SpecPolicyError(f"{stage}: {out} was made with other settings ({'; '.join(changed[:4])}{more}); {fix}")
+
+
+def _change(key: str, old: Any, new: Any) -> str:
+    if not key.startswith("from "):
+        return f"{key}: {old} -> {new}"
+    upstream = key.removeprefix("from ")
+    if new is None:  # `settings` found no record beside it
+        return f"{key}: the {upstream} it was made from has no settings record now"
+    return f"{key}: the {upstream} it was made from was remade"
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:

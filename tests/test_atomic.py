@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from specpolicy.atomic import atomic_path, record, settings, written
+from specpolicy.atomic import atomic_path, record, record_path, settings, written
 from specpolicy.errors import SpecPolicyError
 
 
@@ -60,6 +60,13 @@ def test_an_output_is_reused_only_with_the_settings_it_was_made_with(tmp_path: P
     record(upstream, {"k": 8})
     with pytest.raises(SpecPolicyError, match=r"\(from rollouts: the rollouts it was made from was remade\)"):
         written("head", out, settings(cfg, ["head", "seed"], [upstream]))
+    record_path(upstream).unlink()  # it was not remade: its record is gone
+    with pytest.raises(SpecPolicyError, match=r"\(from rollouts: the rollouts it was made from has no settings record"):
+        written("head", out, settings(cfg, ["head", "seed"], [upstream]))
+    record_path(out).write_text("garbage")  # a JSONDecodeError traceback
+    with pytest.raises(SpecPolicyError, match=r"^head: the settings record .*head.settings.json is damaged .*; delete "
+                                              r"it and .*head to remake head$"):
+        written("head", out, made_with)
 
 
 def test_a_moved_experiment_folder_keeps_its_outputs_reusable(tmp_path: Path) -> None:

@@ -76,7 +76,12 @@ def test_incomplete_hf_folders_say_what_is_missing(target, tmp_path: Path) -> No
     with pytest.raises(SpecPolicyError, match="not an HF model folder .*no config.json"):
         PretrainedSource(path=str(tmp_path), device="cpu").load()
     save_model(tmp_path / "m", target.model, target.tokenizer)
-    (tmp_path / "m" / "model.safetensors").unlink()
+    weights = tmp_path / "m" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # a copy cut short: safetensors' own error type
+    with pytest.raises(SpecPolicyError, match="cannot load the HF model folder .*incomplete metadata"):
+        PretrainedSource(path=str(tmp_path / "m"), device="cpu").load()
+    weights.unlink()
     with pytest.raises(SpecPolicyError, match="cannot load the HF model folder .*model.safetensors"):
         PretrainedSource(path=str(tmp_path / "m"), device="cpu").load()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 import synthetic
 from specpolicy.cost.model import CostModel
+from specpolicy.cost.profile import LatencyProfile
 from specpolicy.decode import Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.policy import ConfidencePolicy, EntropyPolicy, StaticPolicy, StepState
@@ -373,6 +375,22 @@ def test_head_round_trip(tmp_path: Path) -> None:
     with pytest.raises(SpecPolicyError, match=r"head.layers \(0: a logistic regression\) must be an integer >= 0"):
         HeadConfig(layers="abc")
     assert DepthHead(HeadConfig(layers=0))(x).shape == (5,)  # no hidden layer: a logistic regression
+    (tmp_path / "head.pt").write_bytes((tmp_path / "head.pt").read_bytes()[:100])  # hand-edited or a failing disk
+    with pytest.raises(SpecPolicyError, match="the depth head at .* is damaged .*stages=\\[head\\]"):
+        DepthHead.load(tmp_path)
+
+
+def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
+    """A profile whose latencies do not fill its grid failed mid-decode with an IndexError in the cost model."""
+    path = tmp_path / "p.json"
+    synthetic.profile().save(path)
+    assert LatencyProfile.load(path).rows == synthetic.ROWS
+    short = json.loads(path.read_text())
+    short["target_ms"] = short["target_ms"][:1]
+    for text in (json.dumps(short), "{}", "garbage"):
+        path.write_text(text)
+        with pytest.raises(SpecPolicyError, match="latency profile .* is damaged; delete it and run the profile"):
+            LatencyProfile.load(path)
 
 
 class CountsRejections(StaticPolicy):

@@ -52,7 +52,17 @@ class LatencyProfile:
             command = " ".join(["python scripts/train.py experiment=... stages=[profile]", settings]).strip()
             raise SpecPolicyError(f"no latency profile at {path}{found}; run the profile stage on this machine "
                                   f"({command})")
-        return cls(**json.loads(path.read_text()))
+        damaged = f"latency profile {path} is damaged; delete it and run the profile stage again (stages=[profile])"
+        try:
+            profile = cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as err:  # not JSON, or not a profile's fields
+            raise SpecPolicyError(f"{damaged}: {err}") from err
+        grid = (len(profile.rows), len(profile.tokens))
+        shapes = [(len(ms), *{len(row) for row in ms}) for ms in (profile.target_ms, profile.draft_ms)]
+        overhead = profile.draft_step_overhead_ms
+        if shapes != [grid, grid] or (overhead is not None and len(overhead) != grid[0]):
+            raise SpecPolicyError(f"{damaged}: its latencies do not fill its {grid[0]} x {grid[1]} grid")
+        return profile
 
 
 def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bool = False) -> Path:

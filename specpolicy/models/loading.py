@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specpolicy.atomic import atomic_path
@@ -176,7 +177,7 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         load_fusion(model, path)  # a feature-fusing draft's extra layer (models.fusion)
-    except (OSError, ValueError) as err:  # transformers' word on a folder or hub id it cannot read
+    except (OSError, ValueError, SafetensorError) as err:  # a folder or hub id it cannot read; cut-short weights
         problem = " ".join(str(err).split())
         if folder.is_dir():
             raise SpecPolicyError(f"cannot load the HF model folder {path!r}: {problem}; check it holds the config, "

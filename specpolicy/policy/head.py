@@ -8,6 +8,7 @@ into continue/stop decisions that maximise expected goodput under the measured l
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,7 +66,11 @@ class DepthHead(nn.Module):
         if not (directory / "head.pt").is_file():
             raise SpecPolicyError(f"no trained depth head at {directory}; run the head stage first "
                                   f"(python scripts/train.py experiment=... stages=[head])")
-        config = json.loads((directory / "config.json").read_text())
-        head = cls(HeadConfig(**{**config, "features": tuple(config["features"])}))
-        head.load_state_dict(torch.load(directory / "head.pt", map_location="cpu"))
+        try:  # written whole by `save`: a failure here is a damaged or hand-edited folder
+            config = json.loads((directory / "config.json").read_text())
+            head = cls(HeadConfig(**{**config, "features": tuple(config["features"])}))
+            head.load_state_dict(torch.load(directory / "head.pt", map_location="cpu"))
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError, pickle.UnpicklingError) as err:
+            raise SpecPolicyError(f"the depth head at {directory} is damaged ({type(err).__name__}); delete it and "
+                                  f"run the head stage again (stages=[head])") from err
         return head.eval().requires_grad_(False)
