@@ -73,6 +73,9 @@ def evaluate(cfg: DictConfig) -> None:
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
     conversations = instantiate(cfg.data).load()  # a bad prompts file fails before any model loads
+    if cfg.data.split in ("train", "all"):
+        log.warning("evaluate: data.split=%s decodes prompts the draft was distilled on and the head's rollouts came "
+                    "from: acceptance and speedups will be optimistic; data.split=test is held out", cfg.data.split)
     if cfg.eval.num_prompts is not None and len(conversations) < cfg.eval.num_prompts:
         log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
                     cfg.eval.num_prompts, cfg.data.split, len(conversations))
@@ -143,6 +146,10 @@ def check_eval_settings(settings: DictConfig) -> None:
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
     check_counts("eval.batch_sizes", settings.batch_sizes)
     check_bool("eval.hf_baselines", settings.hf_baselines)
+    if Path(settings.out_dir).exists() and not Path(settings.out_dir).is_dir():  # found only after decoding
+        raise SpecPolicyError(f"eval.out_dir={settings.out_dir} is a file; point it at a folder for the report")
+    if settings.policies.get("ar") is None:
+        log.warning("evaluate: eval.policies has no `ar`: no speedups, and no check that greedy outputs are lossless")
     check_count("eval.repeats", settings.repeats)
     if settings.num_prompts is not None:  # null: the whole split
         check_count("eval.num_prompts", settings.num_prompts)

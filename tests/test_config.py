@@ -133,6 +133,23 @@ def test_a_bad_count_is_named_before_any_work(task: str, override: str, message:
     assert not (tmp_path / "tiny").exists()  # nothing distilled, nothing half-written
 
 
+def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it_cannot_show(tmp_path: Path,
+                                                                                             caplog) -> None:
+    """A file as eval.out_dir failed after all the decoding; evaluating the training split, or without `ar`, runs
+    (a researcher may want it) but says what the numbers then mean."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"eval.out_dir={afile}"], tmp_path)
+    with pytest.raises(SpecPolicyError, match=f"eval.out_dir={afile} is a file; point it at a folder"):
+        evaluate(cfg)
+    for override, warning in [("data.split=train", "data.split=train decodes prompts the draft was distilled on"),
+                              ("eval.policies.ar=null", "eval.policies has no `ar`: no speedups")]:
+        cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", override, "eval.batch_sizes=[64]"], tmp_path)
+        with caplog.at_level("WARNING", logger="specpolicy"), pytest.raises(SpecPolicyError):  # stop before decoding
+            evaluate(cfg)
+        assert warning in caplog.text
+
+
 def test_batch_sizes_beyond_the_prompts_are_left_out_by_name(caplog) -> None:
     """A batch of 8 over 4 prompts would run 4 rows under the name of batch 8: such sizes are dropped, loudly."""
     with caplog.at_level("WARNING", logger="specpolicy"):
