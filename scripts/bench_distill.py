@@ -17,11 +17,12 @@ import shutil
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 
 from specpolicy.atomic import atomic_path
 from specpolicy.cli import entry
 from specpolicy.distill.stage import distil
-from specpolicy.errors import check_count
+from specpolicy.errors import SpecPolicyError, check_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -56,22 +57,25 @@ def main() -> None:
 
 def bench(args: argparse.Namespace) -> None:
     check_count("--steps", args.steps)
-    out = Path(args.out)
-    rows = []
+    out, run_dir = Path(args.out), Path(args.out) / "runs"
+    variants = [(shape, loss, f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}")
+                for shape in args.shapes for loss in args.losses]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for shape in args.shapes:
-            for loss in args.losses:
-                name = f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}"
-                run_dir = out / "runs"
-                shutil.rmtree(run_dir / name, ignore_errors=True)  # fresh training, shared data cache
-                cfg = compose(config_name="train", overrides=[
-                    *COMMON, *SHAPES[shape], f"distill/loss={loss}", f"trainer.max_steps={args.steps}",
-                    f"paths.checkpoints_dir={run_dir}", f"experiment_name={name}",
-                    f"paths.cache_dir={ROOT / 'checkpoints' / '.cache'}", *args.overrides])
-                distil(cfg)
-                metrics = json.loads((run_dir / name / "draft" / "metrics.json").read_text())
-                rows.append({"draft": shape, "loss": loss, **_row(metrics)})
-                _write(out, rows)
+        try:  # every variant's config before any training: a bad override is one line, not Hydra's traceback
+            configs = [compose(config_name="train", overrides=[
+                *COMMON, *SHAPES[shape], f"distill/loss={loss}", f"trainer.max_steps={args.steps}",
+                f"paths.checkpoints_dir={run_dir}", f"experiment_name={name}",
+                f"paths.cache_dir={ROOT / 'checkpoints' / '.cache'}", *args.overrides])
+                for shape, loss, name in variants]
+        except HydraException as err:
+            raise SpecPolicyError(' '.join(str(err).split())) from err
+        rows = []
+        for (shape, loss, name), cfg in zip(variants, configs):
+            shutil.rmtree(run_dir / name, ignore_errors=True)  # fresh training, shared data cache
+            distil(cfg)
+            metrics = json.loads((run_dir / name / "draft" / "metrics.json").read_text())
+            rows.append({"draft": shape, "loss": loss, **_row(metrics)})
+            _write(out, rows)
     print(_markdown(rows))
 
 

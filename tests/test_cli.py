@@ -197,7 +197,9 @@ def test_skinny_benchmark_names_a_bad_grid(tmp_path: Path) -> None:
                                            (["distill.temperature=0"], "distill.temperature must be a number > 0"),
                                            # an override after --losses was taken for a loss, then a compose error
                                            (["--losses", "tvd", "distill.temperature=2"],
-                                            "invalid choice: 'distill.temperature=2' (choose from")])
+                                            "invalid choice: 'distill.temperature=2' (choose from"),
+                                           (["engine.max_new_token=5"],  # a typo: Hydra's composition traceback
+                                            "error: Could not override 'engine.max_new_token'")])
 def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: str, tmp_path: Path) -> None:
     """It calls the distil stage directly, outside the pipeline's script: its errors were tracebacks."""
     assert_clean_error(run("bench_distill.py", *args, "--out", str(tmp_path), tmp_path=tmp_path), message)
