@@ -132,7 +132,8 @@ def collect(cfg: DictConfig) -> None:
     target, draft = load_pair(cfg, cfg.trained_draft)
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
     conversations = _not_evaluated(cfg, _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load()))
-    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
+    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens,
+                             reserved_by="collect.max_new_tokens")
     sizes = fitting_batch_sizes("collect.batch_sizes", c.batch_sizes, len(prompts),
                                 "give data more train prompts, or lower distill.data.train_prompts")
     shards = out.with_name("rollouts_shards")

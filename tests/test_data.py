@@ -70,14 +70,25 @@ def test_bad_prompt_files_name_the_problem(tmp_path: Path, content: str | None, 
         PromptSource(prompts_file=str(path)).load()
 
 
+def test_a_folder_or_an_unknown_split_is_named(tmp_path: Path) -> None:
+    """A folder was "does not exist"; a split typo (`tset`) was "no prompts", without the splits there are."""
+    with pytest.raises(SpecPolicyError, match="is a folder; point data.prompts_file at a file in it"):
+        PromptSource(prompts_file=str(tmp_path)).load()
+    with pytest.raises(SpecPolicyError, match=r"data.split='tset' is not a split of .*; choose one of "
+                                              r"\['test', 'train', 'validation', 'all'\]"):
+        PromptSource(split="tset").load()
+
+
 def test_a_limit_of_no_prompts_is_refused() -> None:
     with pytest.raises(SpecPolicyError, match=r"data.limit \(or null for every prompt\) must be an integer >= 1"):
         PromptSource(limit=0)
 
 
 def test_prompt_longer_than_context_is_refused() -> None:
-    with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64"):
+    with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64; .* lower engine.max_new_tokens$"):
         encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 100}]], context_length=64)
+    with pytest.raises(SpecPolicyError, match="lower collect.max_new_tokens$"):  # the setting that reserves them
+        encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 40}]], 64, 32, "collect.max_new_tokens")
 
 
 def test_a_conversation_the_chat_template_refuses_is_named() -> None:

@@ -46,6 +46,10 @@ class PromptSource:
     def load(self) -> list[Conversation]:
         rows = self._rows()
         if "split" in rows.column_names and self.split != "all":
+            splits = sorted(set(rows["split"]))
+            if self.split not in splits:  # a typo (`tset`) read as an empty split
+                raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self._name}; choose one of "
+                                      f"{splits + ['all']}")
             rows = rows.filter(lambda r: r["split"] == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
@@ -78,6 +82,8 @@ class PromptSource:
 
 
 def _load_file(path: Path) -> datasets.Dataset:
+    if path.is_dir():
+        raise SpecPolicyError(f"prompts file {str(path)!r} is a folder; point data.prompts_file at a file in it")
     if not path.is_file():
         raise SpecPolicyError(f"prompts file {str(path)!r} does not exist; fix data.prompts_file=PATH")
     builder = FILE_BUILDERS.get(path.suffix)
@@ -124,9 +130,11 @@ def without(conversations: list[Conversation], excluded: list[Conversation], sta
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], context_length: int, reserve: int = 0
+    tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], context_length: int, reserve: int = 0,
+    reserved_by: str = "engine.max_new_tokens",
 ) -> list[list[int]]:
-    """Token ids per prompt, chat template applied; `reserve` tokens of context are kept for generation."""
+    """Token ids per prompt, chat template applied; `reserve` tokens of context (the setting `reserved_by`) are
+    kept for generation."""
     encoded = []
     for i, conversation in enumerate(conversations):
         if tokenizer.chat_template:
@@ -141,7 +149,7 @@ def encode_prompts(
         if len(ids) + reserve > context_length:
             raise SpecPolicyError(
                 f"prompt {i} is {len(ids)} tokens, and with {reserve} tokens of generation it exceeds the "
-                f"model's context of {context_length}; shorten the prompt or lower max_new_tokens"
+                f"model's context of {context_length}; shorten the prompt or lower {reserved_by}"
             )
         encoded.append(ids)
     return encoded
