@@ -27,6 +27,7 @@ from specpolicy.data import encode_prompts
 from specpolicy.decode.engine import check_settings
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.distill.stage import held_out_metrics, saved_pair
+from specpolicy.errors import check_count
 from specpolicy.models import LoadedModel
 from specpolicy.policy import StaticPolicy
 
@@ -52,6 +53,7 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size
 
 def report(cfg: DictConfig) -> None:
     check_settings(cfg.engine)
+    check_count("decode_depth", cfg.get("decode_depth", 4))  # before the held-out metrics; 0 would decode no drafts
     target, draft = saved_pair(cfg)
     text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft)}, indent=2)
     print(text)
