@@ -72,8 +72,9 @@ def evaluate(cfg: DictConfig) -> None:
     check_int("seed", cfg.seed)
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
-    conversations = instantiate(cfg.data).load()  # a bad prompts file fails before any model loads
-    if cfg.data.split in ("train", "all"):
+    source = instantiate(cfg.data)
+    conversations = source.load()  # a bad prompts file fails before any model loads
+    if cfg.data.split in ("train", "all") and not source.serves_every_split:  # that one: check_held_out
         log.warning("evaluate: data.split=%s decodes prompts the draft was distilled on and the head's rollouts came "
                     "from: acceptance and speedups will be optimistic; data.split=test is held out", cfg.data.split)
     if cfg.eval.num_prompts is not None and len(conversations) < cfg.eval.num_prompts:
