@@ -123,6 +123,8 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("train", "distill.scheduler.num_warmup_steps=-5", "distill.scheduler.num_warmup_steps must be an integer >= 0"),
     ("train", "stages=distil", "stages must be a list, e.g. 'stages=[distil]'"),  # was "unknown stage(s) ['d', ...]"
     ("train", "head.ckpt_path=/nowhere/x.ckpt", "head.ckpt_path: /nowhere/x.ckpt does not exist"),  # was after distil
+    ("train", "distill.data.top_k=0", "distill.data.top_k > 0 (the target's log-probs it keeps per position); set "
+                                      "distill.data.top_k=64, or distill.target_probs=online"),  # was after loading
 ])
 def test_a_bad_count_is_named_before_any_work(task: str, override: str, message: str, tmp_path: Path) -> None:
     """evaluate before any model loads; train before the distil stage, for every selected stage's settings."""

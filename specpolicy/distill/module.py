@@ -172,6 +172,11 @@ class StepBatchSampler(Sampler[list[int]]):
             yield perm[i * self.global_batch:(i + 1) * self.global_batch][self.rank::self.world].tolist()
 
 
+CACHED_NEEDS_TOP_K = ("distill.target_probs=cached needs distill.data.top_k > 0 (the target's log-probs it keeps "
+                      "per position); set distill.data.top_k=64, or distill.target_probs=online to compute them on "
+                      "the fly")
+
+
 class DistillDataModule(LightningDataModule):
     """Train rows from `data.source`; validation and test rows from the target's greedy responses to
     held-out prompts (`test_prompts` may be empty: then there is no test set).
@@ -191,8 +196,8 @@ class DistillDataModule(LightningDataModule):
         self.held_out = {VAL: val_prompts, **({TEST: list(test_prompts)} if test_prompts else {})}
         self.cache_dir, self.batch_size, self.seed = cache_dir, batch_size, seed
         self.top_k = data.top_k if cached_targets else 0
-        if cached_targets and not data.top_k:
-            raise SpecPolicyError("distill.target_probs=cached needs distill.data.top_k > 0")
+        if cached_targets and not data.top_k:  # also checked by check_distil, before the target loads
+            raise SpecPolicyError(CACHED_NEEDS_TOP_K)
         self.features = fuses_features(draft) and cached_targets
         if fuses_features(draft) and data.source == "draft":
             raise SpecPolicyError("a draft that fuses the target's features cannot write responses on its own; "

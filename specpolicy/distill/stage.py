@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from specpolicy.atomic import check_made_with, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, run_trainer
 from specpolicy.data import encode_prompts, without
-from specpolicy.distill.module import TEST, DistillDataModule, DistillModule
+from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
 from specpolicy.models.draft import describe_cost
@@ -57,6 +57,8 @@ def check_distil(cfg: DictConfig) -> None:
     if cfg.trainer.get("max_steps", -1) == -1:
         raise SpecPolicyError("distillation runs for a number of steps; set trainer.max_steps to a positive number")
     check_count("trainer.max_steps", cfg.trainer.max_steps)
+    if d.target_probs == "cached" and d.data.top_k == 0:
+        raise SpecPolicyError(CACHED_NEEDS_TOP_K)
     check_trainer("trainer", cfg.trainer)
     check_number("distill.temperature", d.temperature, 0, low_open=True, why="it divides the logits")
     if d.target_probs == "cached" and d.temperature != 1:  # tempering reshapes the tail the cache spreads evenly
