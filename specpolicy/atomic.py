@@ -116,10 +116,18 @@ def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) 
                               f"remake {out.name}") from err
     new = _flat(json.loads(json.dumps(made_with)))
     changed = [_change(k, old.get(k, "(unset)"), new.get(k, "(unset)"))
-               for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+               for k in sorted(old.keys() | new.keys()) if not _same(old.get(k), new.get(k))]
     if changed:
         more = f"; and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise SpecPolicyError(f"{stage}: {out} was made with other settings ({'; '.join(changed[:4])}{more}); {fix}")
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal, or a path recorded absolute (before records kept them relative) that ends as `new` does: which
+    output it names is settled by the upstream digest, `from <output>`."""
+    if isinstance(new, str) and new.startswith("<experiment>/") and isinstance(old, str) and Path(old).is_absolute():
+        return Path(old).parts[-len(Path(new).parts) + 1:] == Path(new).parts[1:]
+    return old == new
 
 
 def _change(key: str, old: Any, new: Any) -> str:

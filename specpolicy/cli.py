@@ -71,9 +71,8 @@ def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: A
     """`trainer.fit` / `.validate` / `.test` (`how`), whose Ctrl-C comes back as a KeyboardInterrupt: Lightning
     shuts down gracefully, then calls sys.exit(1), which would skip entry()'s line on what was kept and how to
     go on (and exit with 1, not 130). A `ckpt_path="last"` to resume from is checked first."""
-    folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
-    if kwargs.get("ckpt_path") == "last" and folder and (Path(folder) / "last.ckpt").exists():
-        check_checkpoint("the checkpoint to resume from", Path(folder) / "last.ckpt")
+    check_ckpt_path("ckpt_path", kwargs.get("ckpt_path"),
+                    trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None)
     try:
         return getattr(trainer, how)(module, **kwargs)
     except SystemExit:
@@ -82,9 +81,11 @@ def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: A
         raise
 
 
-def check_ckpt_path(setting: str, ckpt_path: str | None) -> None:
-    """A `ckpt_path` setting that names a file (not Lightning's null / "last" / "best"), checked before any work."""
-    if ckpt_path not in (None, "last", "best"):
+def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | None = None) -> None:
+    """A `ckpt_path` setting, checked before any work: a file it names, or `last` in the checkpoints `folder`."""
+    if ckpt_path == "last" and folder and (Path(folder) / "last.ckpt").exists():
+        check_checkpoint("the checkpoint to resume from", Path(folder) / "last.ckpt")
+    elif ckpt_path not in (None, "last", "best", "hpc", "registry"):  # else Lightning's names for one
         check_checkpoint(setting, ckpt_path)
 
 

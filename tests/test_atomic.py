@@ -80,3 +80,7 @@ def test_a_moved_experiment_folder_keeps_its_outputs_reusable(tmp_path: Path) ->
     assert made_with(tmp_path / "a") == made_with(tmp_path / "b")
     assert made_with(tmp_path / "a")["trained_draft"] == {"source": {"path": "<experiment>/draft"}}
     assert made_with(tmp_path / "a")["target"] == {"path": "/models/other/draft"}
+    out = tmp_path / "b" / "profile"  # recorded before paths were kept relative: absolute, the same draft
+    record(out, {**made_with(tmp_path / "b"), "trained_draft": {"source": {"path": str(tmp_path / "b" / "draft")}}})
+    out.mkdir()
+    assert written("profile", out, made_with(tmp_path / "b"))

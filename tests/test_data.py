@@ -74,6 +74,9 @@ def test_a_folder_or_an_unknown_split_is_named(tmp_path: Path) -> None:
     """A folder was "does not exist"; a split typo (`tset`) was "no prompts", without the splits there are."""
     with pytest.raises(SpecPolicyError, match="is a folder; point data.prompts_file at a file in it"):
         PromptSource(prompts_file=str(tmp_path)).load()
+    mixed = tmp_path / "mixed.jsonl"  # rows without a split: None in the column
+    mixed.write_text('{"prompt": "a", "split": "test"}\n{"prompt": "b"}\n')
+    assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "a"}]]
     with pytest.raises(SpecPolicyError, match=r"data.split='tset' is not a split of .*; choose one of "
                                               r"\['test', 'train', 'validation', 'all'\]"):
         PromptSource(split="tset").load()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -456,6 +457,8 @@ def test_engine_refuses_misuse_from_a_notebook(tiny_model, prompts, policy, mess
         Engine(target)
     with pytest.raises(SpecPolicyError, match="eos_token_id must be a token id or a list of them, got '</s>'"):
         Engine(target.model, eos_token_id="</s>")
+    engine = Engine(target.model, max_new_tokens=2, eos_token_id=[np.int64(7)])  # numpy ids are ids
+    assert engine.generate([torch.tensor([1, 2])], ArPolicy()).outputs == engine.generate([[1, 2]], ArPolicy()).outputs
 
 
 def test_engine_refuses_a_draft_of_another_vocabulary_or_shorter_context(tiny_model) -> None:

@@ -62,12 +62,14 @@ def test_missing_sources_name_the_fix(path: str, message: str) -> None:
 @pytest.mark.parametrize("config, message", [
     ({"vocab_size": 200}, "target.config.vocab_size=200 leaves out special ids {'bos_token_id': 256"),
     ({**TINY, "num_attention_heads": 3}, "target.config cannot build a llama model"),
+    ({**TINY, "eos_token_id": [7, 300]}, "leaves out special ids"),  # a list, as Llama 3's
 ])
 def test_random_models_refuse_configs_they_cannot_build(config: dict, message: str) -> None:
     """A vocabulary below the tokenizer's special ids was an AssertionError from torch's embedding (a small one with
     its own special ids is fine: tests/test_engine_sampling.py)."""
     with pytest.raises(SpecPolicyError, match=message):
         RandomInitSource(config=config, device="cpu").load()
+    assert RandomInitSource(config={**TINY, "eos_token_id": [7, 8]}, device="cpu").load()  # a list within it
 
 
 def test_incomplete_hf_folders_say_what_is_missing(target, tmp_path: Path) -> None:

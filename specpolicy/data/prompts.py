@@ -46,7 +46,7 @@ class PromptSource:
     def load(self) -> list[Conversation]:
         rows = self._rows()
         if "split" in rows.column_names and self.split != "all":
-            splits = sorted(set(rows["split"]))
+            splits = sorted({s for s in rows["split"] if s is not None})  # None: a row without one
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self._name}; choose one of "
                                       f"{splits + ['all']}")

@@ -134,7 +134,7 @@ class Engine:
         """Decode `prompts`; `first_id` numbers them for their random streams (row i draws from stream first_id + i),
         so callers that decode batches of one prompt list give each prompt its own stream: numbered from 0 in every
         batch, row r of every batch drew the same uniforms, and sampled outputs were correlated across batches."""
-        self._check(prompts, policy)
+        prompts = self._check(prompts, policy)
         K = policy.max_depth
         policy.reset(len(prompts))
         rows = self._start(prompts, K, first_id)
@@ -156,12 +156,15 @@ class Engine:
         return DecodeResult(outputs, stats)
 
     # ---------------------------------------------------------------- setup
-    def _check(self, prompts: list[list[int]], policy: DepthPolicy) -> None:
+    def _check(self, prompts: list[list[int]], policy: DepthPolicy) -> list[list[int]]:
+        """`prompts` as lists of ids (a 1-D tensor per prompt is one too), or a SpecPolicyError naming the misuse."""
         if not isinstance(policy, DepthPolicy):
             raise SpecPolicyError(f"policy must be a DepthPolicy instance, e.g. StaticPolicy(k=4); got {policy!r}")
-        if isinstance(prompts, (str, torch.Tensor)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+        if isinstance(prompts, (str, torch.Tensor)) or not all(
+                isinstance(p, (list, tuple)) or isinstance(p, torch.Tensor) and p.dim() == 1 for p in prompts):
             raise SpecPolicyError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]]): "
                                   "encode text with the target's tokenizer first")
+        prompts = [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise SpecPolicyError("every prompt needs at least one token")
         bad = next((t for p in prompts for t in p if not isinstance(t, Integral) or not 0 <= t < self.vocab), None)
@@ -179,6 +182,7 @@ class Engine:
                 f"a prompt of {longest} tokens + max_new_tokens={self.max_new_tokens} exceeds the context of "
                 f"{self.context}; shorten the prompt or lower max_new_tokens"
             )
+        return prompts
 
     def _start(self, prompts: list[list[int]], K: int, first_id: int) -> Rows:
         A, cap = len(prompts), max(map(len, prompts)) + self.max_new_tokens + K + 1

@@ -93,7 +93,7 @@ def check_distil(cfg: DictConfig) -> None:
                                   f"distill.scheduler.num_warmup_steps=20)") from err
     instantiate(d.data)
     instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
-    check_ckpt_path("distill.ckpt_path", d.ckpt_path)
+    check_ckpt_path("distill.ckpt_path", d.ckpt_path, OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath"))
 
 
 def distil(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,11 @@ def context_length(config: Any) -> int:
 
 def eos_ids(eos_token_id: int | list[int] | None) -> list[int]:
     """A generation config's `eos_token_id` (one id, several, or none) as a list."""
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    if isinstance(ids, str) or not all(isinstance(i, int) for i in ids):
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, Integral) else eos_token_id
+    if isinstance(ids, str) or not all(isinstance(i, Integral) for i in ids):
         raise SpecPolicyError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r} (a token's "
                               f"id is tokenizer.convert_tokens_to_ids(token))")
-    return list(ids)
+    return [int(i) for i in ids]
 
 
 def _finish(model: PreTrainedModel, dtype: str, device: str, skinny_gemm: bool) -> PreTrainedModel:
@@ -217,7 +218,8 @@ class RandomInitSource:
             **self.config,
         }
         specials = {k: kwargs[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        if any(i is not None and i >= kwargs["vocab_size"] for i in specials.values()):  # a small vocabulary
+        ids = [specials["bos_token_id"], specials["pad_token_id"], *eos_ids(specials["eos_token_id"])]
+        if any(i is not None and i >= kwargs["vocab_size"] for i in ids):  # a small vocabulary
             raise SpecPolicyError(f"target.config.vocab_size={kwargs['vocab_size']} leaves out special ids {specials}; "
                                   f"set those below it too, or leave vocab_size unset")
         try:  # transformers validates the fields and the architecture (heads dividing the width, ...)
