@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from numbers import Integral
 from dataclasses import dataclass, fields
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -37,8 +37,8 @@ from specpolicy.decode import sampling
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
-from specpolicy.models.fusion import fuses_features
 from specpolicy.models.compat import check_models
+from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
 from specpolicy.models.vocab import subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
