@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from specpolicy.atomic import atomic_path
+from specpolicy.atomic import atomic_path, check_made_with, record
 from specpolicy.errors import SpecPolicyError
 
 log = logging.getLogger("specpolicy")
@@ -79,6 +79,22 @@ def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: A
         if trainer.interrupted:
             raise KeyboardInterrupt from None
         raise
+
+
+def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: dict[str, Any]) -> None:
+    """Resume (`ckpt_path=last`) only a run of `stage` with these settings: a finished run's last.ckpt, left behind
+    when its output was deleted to train again with other settings, resumed at its last step and saved the old
+    weights under the new ones (or, for another head size, failed inside Lightning). Then record this run's
+    settings beside its checkpoints (`atomic.record`)."""
+    folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
+    if folder is None:
+        return
+    folder = Path(folder)
+    if ckpt_path == "last" and (folder / "last.ckpt").exists():
+        check_made_with(stage, folder, made_with, f"delete {folder} to start over with these settings, or restore "
+                                                  f"those to resume it")
+    if trainer.is_global_zero:
+        record(folder, made_with)
 
 
 def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | None = None) -> None:

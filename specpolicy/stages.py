@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path, record, settings, written
-from specpolicy.cli import check_ckpt_path, experiment_logger, run_trainer
+from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import encode_prompts, without
@@ -198,6 +198,7 @@ def head(cfg: DictConfig) -> None:
     config = HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior, positions=int(position.max()))
     module = HeadModule(config, lr=h.lr)
     trainer = instantiate(h.trainer, logger=experiment_logger(cfg, "head") or False)
+    resumable("head", trainer, h.ckpt_path, made_with)
     run_trainer(trainer, "fit", module, datamodule=data, ckpt_path=h.ckpt_path)
     module.head.save(out)
     record(out, made_with)

@@ -78,6 +78,12 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     config = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())
     assert config["prior"] == pytest.approx(float(rollouts["accepted"][first].float().mean()))
     assert config["positions"] == int(rollouts["position"].max())  # the deepest the learned policy may go
+    (tmp_path / "tiny" / "head" / "head.pt").unlink()  # as if cut short: its last.ckpt stays
+    wider = compose_config("train", ["experiment=tiny", "debug=fast", "head.hidden=16", "head.ckpt_path=last"],
+                           tmp_path)
+    with pytest.raises(SpecPolicyError, match=r"head: .*checkpoints was made with other settings \(head.hidden: 8 "
+                                              r"-> 16\); delete .*checkpoints to start over"):
+        stages.head(wider)  # it resumed the 8-unit head's checkpoint into a 16-unit one: a Lightning traceback
 
 
 def test_collect_with_fewer_prompts_than_it_asks_for_decodes_those_there_are(tmp_path, caplog):

@@ -21,8 +21,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
-from specpolicy.atomic import check_made_with, record, settings, written
-from specpolicy.cli import check_ckpt_path, experiment_logger, run_trainer
+from specpolicy.atomic import record, settings, written
+from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
 from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
@@ -122,7 +122,7 @@ def distil(cfg: DictConfig) -> None:
                            temperature=d.temperature, feature_loss=d.feature_loss, unroll=d.unroll)
     timer = Timer(verbose=False)  # its elapsed time rides in the checkpoints: a resumed run reports the whole
     trainer = _trainer(cfg, timer)
-    _resumable(cfg, trainer, made_with)
+    resumable("distil", trainer, d.ckpt_path, made_with)
     before = _held_out(trainer, module, datamodule)
     with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
@@ -276,21 +276,6 @@ def _keep_apart(groups: dict[str, list], name: str, held_out: list) -> None:
     """Held out stays held out: group `name` without the validation and test prompts."""
     groups[name] = without(groups[name], held_out, "distil",
                            f"{name} prompts are also validation or test prompts; not trained on")
-
-
-def _resumable(cfg: DictConfig, trainer: L.Trainer, made_with: dict) -> None:
-    """Resume (`distill.ckpt_path=last`) only a run with these settings: a finished run's last.ckpt, left behind
-    when its draft folder was deleted to distil again with another loss, resumed at its last step and saved the
-    old weights under the new settings. Then record this run's settings beside its checkpoints."""
-    folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
-    if folder is None:
-        return
-    folder = Path(folder)
-    if cfg.distill.ckpt_path == "last" and (folder / "last.ckpt").exists():
-        check_made_with("distil", folder, made_with, f"delete {folder} to start over with these settings, or restore "
-                                                     f"those to resume it")
-    if trainer.is_global_zero:
-        record(folder, made_with)
 
 
 def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
