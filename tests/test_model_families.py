@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -112,6 +114,31 @@ def test_fresh_drafts_of_families_laid_out_unlike_llama(family: str) -> None:
     engine = Engine(target.model, narrow, max_new_tokens=6, eos_token_id=[])
     prompts = [[5, 6, 7], [8, 9]]
     assert engine.generate(prompts, StaticPolicy(k=2)).outputs == engine.generate(prompts, ArPolicy()).outputs
+
+
+def test_decoder_layers_are_found_deeper_but_only_as_attention_blocks() -> None:
+    """OPT keeps its layers at model.decoder.layers; a list of as many other modules before them (Gemma3n's
+    per-layer projections) is not the layer stack."""
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = torch.nn.Linear(2, 2)
+
+    class Model(torch.nn.Module):
+        config = SimpleNamespace(num_hidden_layers=2, model_type="toy")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.altup = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList([Block(), Block()])
+
+        @property
+        def base_model(self) -> torch.nn.Module:
+            return self
+
+    model = Model()
+    assert decoder_layers(model) is model.decoder.layers
 
 
 def test_fresh_drafts_keep_the_targets_head_dim(tiny_model) -> None:

@@ -35,9 +35,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for name in ("layers", "h", "blocks"):
         if isinstance(getattr(base, name, None), torch.nn.ModuleList):
             return getattr(base, name)
-    n = model.config.num_hidden_layers  # deeper (OPT: model.decoder.layers): the first list of that many modules
+    n = model.config.num_hidden_layers  # deeper (OPT: model.decoder.layers): the first list of that many blocks
+    attends = lambda block: any("attn" in name or "attention" in name for name, _ in block.named_children())  # noqa: E731
     for module in base.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and all(map(attends, module)):
             return module
     raise SpecPolicyError(f"cannot find the decoder layers of a {model.config.model_type} model to build a draft")
 
