@@ -70,9 +70,7 @@ class FailedJobs(Callback):
 def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: Any) -> Any:
     """`trainer.fit` / `.validate` / `.test` (`how`), whose Ctrl-C comes back as a KeyboardInterrupt: Lightning
     shuts down gracefully, then calls sys.exit(1), which would skip entry()'s line on what was kept and how to
-    go on (and exit with 1, not 130). A `ckpt_path="last"` to resume from is checked first."""
-    check_ckpt_path("ckpt_path", kwargs.get("ckpt_path"),
-                    trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None)
+    go on (and exit with 1, not 130)."""
     try:
         return getattr(trainer, how)(module, **kwargs)
     except SystemExit:
@@ -82,11 +80,12 @@ def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: A
 
 
 def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: dict[str, Any]) -> None:
-    """Resume (`ckpt_path=last`) only a run of `stage` with these settings: a finished run's last.ckpt, left behind
-    when its output was deleted to train again with other settings, resumed at its last step and saved the old
-    weights under the new ones (or, for another head size, failed inside Lightning). Then record this run's
-    settings beside its checkpoints (`atomic.record`)."""
+    """Resume (`ckpt_path=last`) only a whole checkpoint of a run of `stage` with these settings: a finished run's
+    last.ckpt, left behind when its output was deleted to train again with other settings, resumed at its last
+    step and saved the old weights under the new ones (or, for another head size, failed inside Lightning). Then
+    record this run's settings beside its checkpoints (`atomic.record`)."""
     folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
+    check_ckpt_path(f"{stage} ckpt_path", ckpt_path, folder)
     if folder is None:
         return
     folder = Path(folder)
@@ -97,7 +96,7 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
         record(folder, made_with)
 
 
-def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | None = None) -> None:
+def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | Path | None = None) -> None:
     """A `ckpt_path` setting, checked before any work: a file it names, or `last` in the checkpoints `folder`."""
     if ckpt_path == "last" and folder and (Path(folder) / "last.ckpt").exists():
         check_checkpoint("the checkpoint to resume from", Path(folder) / "last.ckpt")
