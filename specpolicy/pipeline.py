@@ -22,7 +22,7 @@ from specpolicy import stages
 from specpolicy.atomic import record_path
 from specpolicy.cli import experiment_logger
 from specpolicy.cost.profile import device_name
-from specpolicy.data import encode_prompts
+from specpolicy.data import PromptSource, encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
@@ -81,7 +81,7 @@ def evaluate(cfg: DictConfig) -> None:
         log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
                     cfg.eval.num_prompts, cfg.data.split, len(conversations))
     conversations = conversations[: cfg.eval.num_prompts]
-    check_held_out(cfg, len(conversations))
+    check_held_out(cfg, source, len(conversations))
     batch_sizes = fitting_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
                                       "raise eval.num_prompts or data.limit, or give data.prompts_file more prompts")
     target, draft = stages.load_pair(cfg, cfg.draft)
@@ -119,11 +119,11 @@ def evaluate(cfg: DictConfig) -> None:
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
 
 
-def check_held_out(cfg: DictConfig, count: int) -> None:
+def check_held_out(cfg: DictConfig, source: PromptSource, count: int) -> None:
     """Refuse to evaluate a draft on its own training prompts. A prompts file without a `split` column is every
     split: the distil stage held out only its first val_prompts / test_prompts rows and trained on the rest (read
     from the draft's settings record, `atomic.record`), while evaluate decodes the first `count` rows."""
-    path, source = cfg.draft.get("source", {}).get("path"), instantiate(cfg.data)
+    path = cfg.draft.get("source", {}).get("path")
     record = record_path(Path(path)) if path else None
     if record is None or not record.exists() or not source.serves_every_split:
         return

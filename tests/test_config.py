@@ -209,4 +209,4 @@ def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) ->
                                          "distill": {"data": {"val_prompts": 2, "test_prompts": 2}}})
     with pytest.raises(SpecPolicyError, match="only its first 2 prompts were held out, and evaluate would decode 4"):
         evaluate(cfg)
-    check_held_out(cfg, 2)  # the held-out rows alone
+    check_held_out(cfg, instantiate(cfg.data), 2)  # the held-out rows alone

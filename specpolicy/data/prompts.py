@@ -7,6 +7,7 @@ templates are applied by the tokenizer in `encode_prompts`, never by hand.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class PromptSource:
             check_count("data.limit (or null for every prompt)", self.limit)
 
     def load(self) -> list[Conversation]:
-        rows = self._rows()
+        rows = self._rows
         if "split" in rows.column_names and self.split != "all":
             splits = sorted({s for s in rows["split"] if s is not None})  # None: a row without one
             if self.split not in splits:  # a typo (`tset`) read as an empty split
@@ -61,13 +62,15 @@ class PromptSource:
     @property
     def serves_every_split(self) -> bool:
         """A prompts file without a `split` column: every split is the whole file."""
-        return bool(self.prompts_file) and "split" not in self._rows().column_names
+        return bool(self.prompts_file) and "split" not in self._rows.column_names
 
     @property
     def _name(self) -> str:
         return self.prompts_file or self.hub_dataset or f"the embedded prompt set ({EMBEDDED.name})"
 
+    @functools.cached_property
     def _rows(self) -> datasets.Dataset:
+        """The source's rows, read once: `load` and `serves_every_split` both need them."""
         if self.prompts_file:
             return _load_file(Path(self.prompts_file).expanduser())
         if self.hub_dataset:
