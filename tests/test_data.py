@@ -29,14 +29,40 @@ def test_embedded_set_is_large_diverse_and_split() -> None:
     assert PromptSource().split == "test"  # evaluation never decodes what distillation was tuned on
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", ".txt"])
 def test_user_files_in_every_format(tmp_path: Path, suffix: str) -> None:
     df = pd.DataFrame({"prompt": ["Say hi.", "Count to three."]})
     path = tmp_path / f"p{suffix}"
     {".jsonl": lambda: df.to_json(path, orient="records", lines=True), ".csv": lambda: df.to_csv(path, index=False),
-     ".parquet": lambda: df.to_parquet(path)}[suffix]()
+     ".parquet": lambda: df.to_parquet(path),
+     ".txt": lambda: path.write_text("Say hi.\n\n  \nCount to three.\n")}[suffix]()  # blank lines are skipped
     conversations = PromptSource(prompts_file=str(path)).load()
-    assert [c[0]["content"] for c in conversations] == ["Say hi.", "Count to three."]
+    assert conversations == [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Count to three."}]]
+
+
+def test_the_prompt_column_is_a_setting(tmp_path: Path) -> None:
+    """Data sets name it `instruction`, `question`, ...: that was an error without a way around it."""
+    path = tmp_path / "alpaca.jsonl"
+    path.write_text('{"instruction": "Say hi.", "output": "Hi."}\n')
+    with pytest.raises(SpecPolicyError, match=r"row 0 of .* \(its columns: instruction, output\); name the prompt's "
+                                              r"column with data.prompt_field=COLUMN$"):
+        PromptSource(prompts_file=str(path)).load()
+    assert PromptSource(prompts_file=str(path), prompt_field="instruction").load() == [[{"role": "user",
+                                                                                          "content": "Say hi."}]]
+
+
+def test_chat_data_sets_decode_up_to_the_reply(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ShareGPT's from/value turns read as role/content ones, and a reference reply at the end is dropped: with it,
+    the chat template opened a second assistant turn after it, and the model answered its own answer."""
+    path = tmp_path / "chats.jsonl"
+    sharegpt = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "Hello"}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    path.write_text(json.dumps({"conversations": sharegpt}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    assert PromptSource(prompts_file=str(path)).load() == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], messages]
+    assert "1 of 2 conversations in" in caplog.text and "trailing assistant turns are dropped" in caplog.text
 
 
 def test_chat_messages_and_template(tmp_path: Path) -> None:
@@ -60,6 +86,8 @@ def test_chat_messages_and_template(tmp_path: Path) -> None:
         ('{"prompt": "ok"}\n{"prompt": oops}\n', "JSON parse error"),
         ('{"messages": [{"content": "no role"}]}\n', "'messages' must be a list of"),
         ('{"messages": "not a list"}\n', "'messages' must be a list of"),
+        ('{"conversations": [{"from": "human"}]}\n', r"or 'conversations' of \{'from': str, 'value': str\}"),
+        ('{"messages": [{"role": "assistant", "content": "Hi"}]}\n', "no turn before the assistant's; add the user's"),
     ],
 )
 def test_bad_prompt_files_name_the_problem(tmp_path: Path, content: str | None, message: str) -> None:

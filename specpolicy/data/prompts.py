@@ -1,8 +1,9 @@
 """Prompts as chat conversations, from the embedded set, a local file or a hub dataset.
 
-Every source goes through `datasets.load_dataset`, so JSONL, JSON, Parquet and CSV files and hub
-datasets behave alike. A row holds either a `prompt` string or a chat `messages` list; chat
-templates are applied by the tokenizer in `encode_prompts`, never by hand.
+Every source goes through `datasets.load_dataset`, so JSONL, JSON, Parquet, CSV and text files and hub
+datasets behave alike. A row holds either a prompt string (in the column `prompt_field` names; a text
+file's lines) or a chat: a `messages` list of role/content turns, or ShareGPT's `conversations` list of
+from/value turns. Chat templates are applied by the tokenizer in `encode_prompts`, never by hand.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from specpolicy.errors import SpecPolicyError, check_count
 log = logging.getLogger("specpolicy")
 
 EMBEDDED = Path(__file__).parent / "prompts" / "default.jsonl"
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # other `from` values (system, user, ...) are roles already
 Conversation = list[dict[str, str]]
 
 
@@ -32,13 +34,15 @@ class PromptSource:
     """Where prompts come from. `prompts_file` wins over `hub_dataset`; with neither, the embedded set.
 
     `split` selects rows of the embedded set (or a hub split); a user's file is used whole unless
-    it has a `split` column. `limit` keeps the first N prompts after splitting.
+    it has a `split` column. `limit` keeps the first N prompts after splitting. `prompt_field` is the
+    column that holds a plain prompt (`instruction`, `question`, ... in many data sets).
     """
 
     prompts_file: str | None = None
     hub_dataset: str | None = None
     split: str = "test"
     limit: int | None = None
+    prompt_field: str = "prompt"
 
     def __post_init__(self) -> None:
         if self.limit is not None:
@@ -54,10 +58,26 @@ class PromptSource:
             rows = rows.filter(lambda r: r["split"] == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
-        conversations = [_conversation(row, i, self._name) for i, row in enumerate(rows)]
+        conversations = [self._conversation(row, i) for i, row in enumerate(rows)]
         if not conversations:
             raise SpecPolicyError(f"no prompts in {self._name} (split={self.split!r}); add rows or change data.split")
-        return conversations
+        replied = sum(c[-1]["role"] == "assistant" for c in conversations)
+        if replied:  # a chat data set's reference reply: the model is to write its own
+            log.warning("%d of %d conversations in %s end with an assistant turn; decoding starts before it "
+                        "(the trailing assistant turns are dropped)", replied, len(conversations), self._name)
+        return [_without_reply(c) for c in conversations]
+
+    def _conversation(self, row: dict[str, Any], index: int) -> Conversation:
+        where = f"row {index} of {self._name}"
+        turns = row.get("messages") or row.get("conversations")
+        if turns:
+            return _chat(turns, where)
+        prompt = row.get(self.prompt_field)
+        if isinstance(prompt, str) and prompt.strip():
+            return [{"role": "user", "content": prompt}]
+        raise SpecPolicyError(f"{where} has neither a non-empty {self.prompt_field!r} string nor a 'messages' list "
+                              f"(its columns: {', '.join(row)}); name the prompt's column with "
+                              f"data.prompt_field=COLUMN")
 
     @property
     def serves_every_split(self) -> bool:
@@ -72,7 +92,10 @@ class PromptSource:
     def _rows(self) -> datasets.Dataset:
         """The source's rows, read once: `load` and `serves_every_split` both need them."""
         if self.prompts_file:
-            return _load_file(Path(self.prompts_file).expanduser())
+            rows = _load_file(Path(self.prompts_file).expanduser())
+            if Path(self.prompts_file).suffix == ".txt":  # one prompt per line; blank lines separate nothing
+                rows = rows.filter(lambda r: bool(r["text"].strip())).rename_column("text", self.prompt_field)
+            return rows
         if self.hub_dataset:
             try:
                 return datasets.load_dataset(self.hub_dataset, split=self.split)
@@ -104,20 +127,27 @@ def _load_file(path: Path) -> datasets.Dataset:
         raise SpecPolicyError(f"cannot parse prompts file {str(path)!r}: {cause}") from err
 
 
-def _conversation(row: dict[str, Any], index: int, source: str) -> Conversation:
-    messages = row.get("messages")
-    if messages:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise SpecPolicyError(
-                f"row {index} of {source}: 'messages' must be a list of {{'role': str, 'content': str}} objects"
-            )
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
-        return [{"role": "user", "content": row["prompt"]}]
-    raise SpecPolicyError(f"row {index} of {source} has neither a non-empty 'prompt' string nor a 'messages' list")
+def _chat(turns: Any, where: str) -> Conversation:
+    """A `messages` (role/content) or ShareGPT `conversations` (from/value) list as role/content turns."""
+    chat = []
+    for turn in turns if isinstance(turns, list) else [None]:
+        turn = turn if isinstance(turn, dict) else {}
+        role = turn.get("role", SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")))
+        content = turn.get("content", turn.get("value"))
+        if not (isinstance(role, str) and isinstance(content, str)):
+            raise SpecPolicyError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}} objects "
+                                  f"(or 'conversations' of {{'from': str, 'value': str}})")
+        chat.append({"role": role, "content": content})
+    if all(turn["role"] == "assistant" for turn in chat):
+        raise SpecPolicyError(f"{where}: the conversation has no turn before the assistant's; add the user's")
+    return chat
+
+
+def _without_reply(conversation: Conversation) -> Conversation:
+    end = len(conversation)
+    while conversation[end - 1]["role"] == "assistant":
+        end -= 1
+    return conversation[:end]
 
 
 def without(conversations: list[Conversation], excluded: list[Conversation], stage: str,

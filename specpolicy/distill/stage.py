@@ -43,7 +43,8 @@ from specpolicy.models.vocab import (
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
 # what a draft is made of: a change to any of these makes another draft (see `atomic.settings`)
-MADE_WITH = ["target", "draft", "distill", "data.prompts_file", "data.hub_dataset", "trainer", "seed"]
+MADE_WITH = ["target", "draft", "distill", "data.prompts_file", "data.hub_dataset", "data.prompt_field", "trainer",
+             "seed"]
 
 
 def check_distil(cfg: DictConfig) -> None:
