@@ -133,13 +133,47 @@ def test_buckets_add_up_to_what_the_forwards_computed(target, drafts, prompts, m
 
 
 def test_a_draft_no_row_keeps_is_not_verified(target, drafts, monkeypatch) -> None:
-    """Every step drafts x_1 and stops there: the target reads only the committed token, as in plain decoding."""
+    """Every step drafts x_1 and stops there: the target reads only the committed token, as in plain decoding.
+    Each proposal the policy looked at and dropped is a thrown-away draft head row (it was counted useful)."""
     recorder = ForwardRecorder(monkeypatch)
     stats = decode(target, drafts["partial"], [[42]], ConfidencePolicy(k=4, threshold=0.999)).stats
     assert stats.drafted == 0 and stats.draft_forwards > 0
     assert [w for m, _, w, *_ in recorder.calls if m is target.model] == [1] * N
     useful, rejected, padding = stats.flops.tolist()
-    assert rejected == 0 and padding == 0
+    assert rejected == pytest.approx(stats.draft_forwards * FlopModel.from_model(drafts["partial"]).head)
+    assert padding == 0
+
+
+class RowZeroRidesAlong(StaticPolicy):
+    """Row 0 has no budget; row 1 drafts one token."""
+
+    def budget(self, state):
+        return (state.row_ids == 1).long()
+
+
+class RowZeroDropsItsDraft(StaticPolicy):
+    """Row 0 may draft one token when row 1 does, and its policy drops the proposal before the target sees it:
+    the draft runs exactly when it runs for `RowZeroRidesAlong`."""
+
+    def budget(self, state):
+        row_1 = state.row_ids == 1
+        drafts = bool(row_1.any()) and int(state.generated[row_1].max()) < N - 1  # its last token drafts none
+        return torch.full_like(state.row_ids, int(drafts))
+
+    def keep(self, features, tokens, state, position):
+        return state.row_ids == 1
+
+
+def test_a_draft_head_row_goes_with_the_token_it_proposes(target, drafts) -> None:
+    """The same forwards, the same outputs: row 0's proposals are padding when it had no budget (it rode along in
+    the draft forwards row 1 needed) and rejected when its policy dropped them; both were counted useful."""
+    head = FlopModel.from_model(drafts["partial"]).head
+    along, dropped = (decode(target, drafts["partial"], [[5, 6, 7], [8, 9]], policy(k=1))
+                      for policy in (RowZeroRidesAlong, RowZeroDropsItsDraft))
+    assert along.outputs == dropped.outputs and along.stats.draft_forwards == dropped.stats.draft_forwards
+    (u1, r1, p1), (u2, r2, p2) = along.stats.flops.tolist(), dropped.stats.flops.tolist()
+    assert u1 == pytest.approx(u2) and r2 - r1 == pytest.approx(p1 - p2)
+    assert r2 - r1 == pytest.approx(head * along.stats.draft_forwards)
 
 
 class OnlyTheShallowRowGoesOn(StaticPolicy):

@@ -98,3 +98,11 @@ class FlopModel:
         thrown = self.prefix(starts, used) - read_kept + self.head * scored(useful, used)
         total = (width * self.slot(kv_len) + count * self.head) * torch.ones_like(kept)
         return torch.stack([kept.sum(), thrown.sum(), (total - kept - thrown).sum()])
+
+    def proposals(self, drafting: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """The draft's LM head, one row of logits per row of the batch, charged to the fate of the token it
+        proposes: useful where that token was kept, rejected where a drafting row threw it away (the target
+        rejected it, or the policy stopped before sending it), padding where the row was not drafting and rode
+        along in a forward other rows needed."""
+        rows = torch.stack([drafting & kept, drafting & ~kept, ~drafting]).sum(1)
+        return self.head * rows.to(torch.float64)

@@ -232,7 +232,8 @@ class Engine:
             with stats.deciding():
                 policy.observe(state, drafted, accepted)
         stats.later(stats.record_step, drafted.cpu(), accepted.cpu())
-        stats.later(self._account, stats, host, (n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1], fed)
+        stats.later(self._account, stats, host, (budget.cpu(), n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1],
+                    fed)
         return self._retire(rows, new_host, finished, caches, outputs)
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
@@ -384,15 +385,17 @@ class Engine:
         rows.generated = rows.generated + n_new
         return hit | (rows.generated >= self.max_new_tokens), n_new
 
-    def _account(self, stats: DecodeStats, old: dict, drafted_kept: tuple[torch.Tensor, torch.Tensor], depth: int,
+    def _account(self, stats: DecodeStats, old: dict, drafted_kept: tuple[torch.Tensor, ...], depth: int,
                  fed: int | None) -> None:
         """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters.
 
         `depth` draft tokens per row went to the target; `kept` counts the drafts whose slots produced a
         committed token (a read of EOS produces none); `fed` is None when the draft did not run. The LM heads
         run where `_draft` and `_verify` keep logits: each draft forward's last token per row, and the target's
-        last committed token and every draft slot; plain decoding scores each of its tokens but the last."""
-        n_draft, kept = drafted_kept
+        last committed token and every draft slot; plain decoding scores each of its tokens but the last. A
+        draft head's row goes with the token it proposes (`FlopModel.proposals`): the proposal of x_1 that a
+        policy looked at and did not send was thrown away, though the committed tokens read with it were kept."""
+        budget, n_draft, kept = drafted_kept
         length = old["length"]
         t_unseen = length - old["t_len"]
         t_width = int(t_unseen.max()) + depth
@@ -404,11 +407,13 @@ class Engine:
         d_unseen = length - old["d_len"]
         d_width = int(d_unseen.max())
         d_end = int(old["d_len"].max()) + d_width
-        stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen, (d_unseen - 1, 1))
+        stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen)
+        stats.flops += self.d_flops.proposals(budget > 0, kept >= 1)
         for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it, unless the draft fuses
             read = (n_draft >= i).long()  # features: it rereads every kept x_i with the target's (`_commit`)
             kept_i = read * (kept >= i) * (not self.fuse)
-            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, kept_i, read, (0, 1))
+            stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, kept_i, read)
+            stats.flops += self.d_flops.proposals(read.bool(), kept >= i + 1)
 
     def _retire(self, rows: Rows, host: dict, finished: torch.Tensor, caches: tuple, outputs: list[list[int]]) -> dict:
         """Move finished rows' outputs out and drop them from the batch and the caches."""
