@@ -16,6 +16,7 @@ from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
 from specpolicy.eval.hf_baselines import hf_generate
+from specpolicy.eval.interval import MIN_UNITS
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
@@ -102,19 +103,19 @@ def test_repeats_time_every_batch_again_and_keep_one_output_per_prompt(tiny_mode
     model = tiny_model()
     engine = Engine(model.model, model.model, max_new_tokens=4)
     policies = {"oracle": OraclePolicy(k=2), "static_k1": StaticPolicy(k=1), "ar": ArPolicy()}
-    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12, 13]]
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16], [17]]
     runs = side_by_side(engine, prompts, policies, 1, repeats=3)
     assert list(runs)[0] == "ar"
-    assert all(len(run.stats) == 12 and len(run.outputs) == 4 for run in runs.values())
+    assert all(len(run.stats) == 18 and len(run.outputs) == 6 for run in runs.values())
     rows = {row["policy"]: row for row in summarise(runs)}
     assert all(row["first_mismatch"] is None for row in rows.values())
-    # 4 batches x 3 passes: twelve side-by-side units, each naming its batch; four batches give an interval
+    # 6 batches x 3 passes: 18 side-by-side units, each naming its batch; six batches give an interval
     # around every speedup but ar's own
-    assert rows["ar"]["speedup_interval"] is None and [u[2] for u in rows["ar"]["units"]] == [0, 1, 2, 3] * 3
+    assert rows["ar"]["speedup_interval"] is None and [u[2] for u in rows["ar"]["units"]] == list(range(6)) * 3
     for name in ("static_k1", "oracle"):
         low, high = rows[name]["speedup_interval"]
         assert low <= rows[name]["speedup"] <= high
-    # 2 batches x 3 passes: six units, but two draws of prompts, too few for an interval
+    # 3 batches x 3 passes: nine units, but three draws of prompts, too few for an interval
     rows = {row["policy"]: row for row in summarise(side_by_side(engine, prompts, policies, 2, repeats=3))}
     assert rows["static_k1"]["speedup_interval"] is None
 
@@ -210,7 +211,8 @@ def test_report_from_real_runs(real, tmp_path):
         assert ENGINE_KEYS <= run.keys(), ENGINE_KEYS - run.keys()
         assert FLOP_KEYS <= run["flops"].keys()
         assert all(isinstance(k, str) for k in run["depth_by_load"])  # as json writes int keys
-    assert report["lossless"] == {"checked": True, "exact": True, "mismatches": []}
+    assert report["lossless"] == {"checked": True, "skipped": None, "exact": True, "mismatches": [],
+                                  "compared": ["static_k2", "confidence", "oracle"]}
 
     lines = (tmp_path / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == len(outputs) == 32
@@ -221,9 +223,10 @@ def test_report_from_real_runs(real, tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR", name
 
     md = md_path.read_text()
-    assert "all greedy outputs equal ar's" in md and "VIOLATED" not in md
+    assert next(r for r in report["runs"] if r["policy"] == "ar")["acceptance_rate"] is None  # not 0: undefined
+    assert "every greedy output of static_k2, confidence, oracle equals ar's" in md and "VIOLATED" not in md
     assert all(f"![{name}]({name}.png)" in md for name in PLOTS)
-    assert "## Batch size 1" in md and "## Batch size 4" in md
+    assert "## Batch size 1 (4 batches, 4 prompts)" in md and "## Batch size 4 (1 batch, 4 prompts)" in md
 
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4
@@ -239,12 +242,49 @@ def test_greedy_mismatch_is_loud(tmp_path, temperature, loud):
     write_report(tmp_path, meta(temperature), runs, [])
 
     mismatch = {"policy": "static_k2", "batch_size": 4, "first_mismatch": 3}
-    assert read_json(tmp_path)["lossless"] == {"checked": loud, "exact": True, "mismatches": [mismatch] if loud else []}
+    check = read_json(tmp_path)["lossless"]
+    assert (check["checked"], check["exact"], check["mismatches"]) == (loud, True, [mismatch] if loud else [])
     warning = "static_k2 at batch 4 differs from ar's, first at prompt 3"
     for doc in ("report.md", "report.html"):
         text = html.unescape((tmp_path / doc).read_text())
         assert ("LOSSLESSNESS VIOLATED" in text and warning in text) == loud, doc
         assert ("Lossless check skipped" in text) != loud, doc
+
+
+@pytest.mark.parametrize("keep, why", [
+    (lambda r: r["policy"] != "ar", "no ar run to compare"),
+    (lambda r: r["policy"] in ("ar", "hf_generate"), "ar is the only engine policy")])
+def test_a_lossless_check_that_compared_nothing_says_why(tmp_path, keep, why):
+    """Both read "outputs are sampled ... or there is no ar run", and ar alone "all greedy outputs equal ar's"."""
+    write_report(tmp_path, meta(), [r for r in synthetic_runs() if keep(r)], [])
+    assert why in (tmp_path / "report.md").read_text() and not read_json(tmp_path)["lossless"]["checked"]
+
+
+def test_plots_without_data_say_why():
+    """Without ar the speedup plot showed an empty frame whose legend named the ar line; with nothing drafted the
+    depth plot said no run had its keys."""
+    no_ar = [{**r, "speedup": None} for r in synthetic_runs() if r["policy"] != "ar"]  # as summarise leaves them
+    fig = report.plot_speedup(no_ar)
+    assert not fig.axes[0].get_lines() and "needs an ar run" in fig.axes[0].texts[0].get_text()
+    idle = [engine_row("ar", 1, 0, 0.0, 50.0, 50.0), engine_row("entropy", 1, 0, 0.0, 49.0, 50.0)]
+    assert report.plot_depth_vs_load(idle).axes[0].texts[0].get_text() == "no data: no policy drafted"
+
+
+def test_a_speedup_without_interval_is_drawn_hollow():
+    """The white marker sat under the errorbar's own (zorder 2 vs 2.1): no interval looked like a zero-width one."""
+    runs = [r for r in synthetic_runs() if r["policy"] in ("ar", "static_k2")]
+    ax = report.plot_speedup(runs).axes[0]
+    hollow = next(line for line in ax.get_lines() if line.get_color() == "white")
+    assert hollow.get_zorder() > max(line.get_zorder() for line in ax.get_lines() if line is not hollow)
+
+
+def test_flops_plot_names_every_policy_once_per_batch_size():
+    """One panel per batch size, policies as horizontal bars: 14 rotated names under 70 bars ran together."""
+    runs = synthetic_runs()
+    fig = report.plot_flops(runs)
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("batch")]
+    assert [ax.get_title() for ax in panels] == ["batch 1", "batch 4"]
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["ar", "static_k2", "confidence", "oracle"]
 
 
 def test_hf_generate_pads_with_eos_when_the_tokenizer_has_none(tiny_model) -> None:
@@ -266,8 +306,8 @@ def test_load_aware_policies_are_compared_with_the_best_static_depth():
     line = report.best(rows, 1)
     assert line.startswith("batch 1: learned (66.0 tok/s, 1.32x vs ar)")
     assert f"learned vs best static (static_k1): 1.10x tok/s, {rows[0]['flops']['padding'] / 4 / wasted:.2f}x" in line
-    rows[0]["units"] = [[64, 64 / 60.0]] * 4  # with the units it was timed in, the comparison gets its interval
-    rows[2]["units"] = [[64, 64 / 66.0]] * 4
+    rows[0]["units"] = [[64, 64 / 60.0]] * MIN_UNITS  # with the units it was timed in, the comparison gets its
+    rows[2]["units"] = [[64, 64 / 66.0]] * MIN_UNITS  # interval
     rows[2]["speedup_interval"] = [1.2, 1.4]
     line = report.best(rows, 1)
     assert line.startswith("batch 1: learned (66.0 tok/s, 1.32x vs ar, 95% interval 1.20-1.40x)")
@@ -343,7 +383,8 @@ def test_bf16_reports_the_share_of_outputs_equal_to_ar_instead_of_a_violation(tm
     bad = next(r for r in runs if r["policy"] == "static_k2" and r["batch_size"] == 4)
     bad["first_mismatch"], bad["ar_match"] = 3, 0.75
     write_report(tmp_path, {**meta(), "dtype": "bfloat16"}, runs, [])
-    assert read_json(tmp_path)["lossless"] == {"checked": True, "exact": False, "mismatches": []}
+    check = read_json(tmp_path)["lossless"]
+    assert (check["checked"], check["exact"], check["mismatches"]) == (True, False, [])
     text = (tmp_path / "report.md").read_text()
     assert "LOSSLESSNESS VIOLATED" not in text and "Reduced precision" in text
     assert "| same as ar |" in text and "| 75% |" in text

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no global state, Agg renders PNGs without a display
-from matplotlib.transforms import blended_transform_factory
 
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval.interval import MIN_UNITS, ratio_interval
@@ -72,14 +71,17 @@ def write_report(out_dir: str | Path, meta: dict, runs: list[dict], outputs: lis
 
 # ---------------------------------------------------------------- data
 def lossless(meta: dict, runs: list[dict]) -> dict:
-    """Greedy fp32 decoding must reproduce `ar` token for token; with sampling (or no `ar`) there is nothing
-    to check. In bf16/fp16 a k-token verify pass rounds differently from a 1-token one, so outputs may part
-    ways without a bug: there the report gives each run's share of prompts with ar's output instead."""
-    checked = meta.get("temperature") == 0 and any(r["policy"] == "ar" for r in runs)
+    """Greedy fp32 decoding must reproduce `ar` token for token; with sampling, without `ar` or with `ar` alone
+    there is nothing to check. In bf16/fp16 a k-token verify pass rounds differently from a 1-token one, so
+    outputs may part ways without a bug: there the report gives each run's share of prompts with ar's output."""
+    compared = list(dict.fromkeys(r["policy"] for r in runs if is_engine(r) and r["policy"] != "ar"))
+    greedy, has_ar = meta.get("temperature") == 0, any(r["policy"] == "ar" for r in runs)
+    checked = greedy and has_ar and bool(compared)
     exact = meta.get("dtype", "float32") in EXACT_DTYPES
     mismatches = [{"policy": r["policy"], "batch_size": r["batch_size"], "first_mismatch": r["first_mismatch"]}
                   for r in runs if checked and exact and r.get("first_mismatch") is not None]
-    return {"checked": checked, "exact": exact, "mismatches": mismatches}
+    skipped = None if checked else "sampled" if not greedy else "no ar" if not has_ar else "ar alone"
+    return {"checked": checked, "skipped": skipped, "exact": exact, "compared": compared, "mismatches": mismatches}
 
 
 def write_json(path: Path, meta: dict, runs: list[dict], check: dict) -> None:
@@ -92,6 +94,16 @@ def write_outputs(path: Path, outputs: list[dict]) -> None:
 
 def batch_sizes(runs: list[dict]) -> list[int]:
     return sorted({r["batch_size"] for r in runs})
+
+
+def batch_heading(runs: list[dict], batch_size: int) -> str:
+    """"Batch size 4 (3 batches, 12 prompts)": only full batches are decoded, so a batch size that does not divide
+    the prompts decodes fewer of them than the report's header says."""
+    batches = max(len({u[2] for u in r.get("units") or []}) for r in runs if r["batch_size"] == batch_size)
+    if not batches:  # rows made without the runner's timings
+        return f"Batch size {batch_size}"
+    plural = "es" if batches > 1 else ""
+    return f"Batch size {batch_size} ({batches} batch{plural}, {batches * batch_size} prompts)"
 
 
 def is_engine(run: dict) -> bool:
@@ -122,7 +134,7 @@ COLUMNS: list[tuple[str, Callable[[dict], float | str | None], str]] = [
     ("acceptance", lambda r: r.get("acceptance_rate") if drafts(r) else None, "{:.2f}"),  # undefined without drafts
     ("tau", lambda r: r.get("mean_accepted"), "{:.2f}"),
     ("mean depth", lambda r: r.get("mean_depth"), "{:.2f}"),
-    ("FLOPs total/ar", lambda r: flops_ratio(r, "total"), "{:.2f}x"),
+    ("FLOPs / plain", lambda r: flops_ratio(r, "total"), "{:.2f}x"),
     ("rejected+padding share", waste_share, "{:.0%}"),
     ("policy ms/step", lambda r: r.get("policy_ms_per_step"), "{:.2f}"),
     ("same as ar", lambda r: r.get("ar_match"), "{:.0%}"),
@@ -171,13 +183,16 @@ def against_best_static(rows: list[dict]) -> str:
 def lossless_lines(check: dict) -> list[str]:
     """One line per violation, so none hides in a paragraph; callers prefix VIOLATED when there are mismatches."""
     if not check["checked"]:
-        return ["Lossless check skipped: outputs are sampled (temperature > 0: each run draws its own tokens, so "
-                "'same as ar' counts coincidences, not errors) or there is no ar run."]
+        return [{"sampled": "Lossless check skipped: outputs are sampled (temperature > 0: each run draws its own "
+                            "tokens, so 'same as ar' counts coincidences, not errors).",
+                 "no ar": "Lossless check skipped: no ar run to compare greedy outputs with (add `ar` to "
+                          "eval.policies).",
+                 "ar alone": "Lossless check: nothing to compare, ar is the only engine policy."}[check["skipped"]]]
     if not check["exact"]:
         return ["Reduced precision: a k-token verify pass rounds differently from a 1-token pass, so greedy outputs "
                 "may differ from ar's without a bug; 'same as ar' is each run's share of prompts with ar's output."]
     if not check["mismatches"]:
-        return ["Lossless: all greedy outputs equal ar's."]
+        return [f"Lossless: every greedy output of {', '.join(check['compared'])} equals ar's."]
     return [f"greedy output of {m['policy']} at batch {m['batch_size']} differs from ar's, first at prompt "
             f"{m['first_mismatch']}" for m in check["mismatches"]]
 
@@ -187,10 +202,15 @@ def interval_text(interval: list[float] | tuple[float, float] | None, template: 
     return template.format(f"95% interval {INTERVAL.format(interval)}") if interval else ""
 
 
-def interval_note() -> str:
-    return (f"95% interval: a paired bootstrap over the batches (x passes) every decoder ran in turn; '{DASH}' where "
-            f"a batch size had fewer than {MIN_UNITS} (more prompts or eval.repeats give one). A speedup whose "
-            f"interval holds 1.00x is a tie with ar.")
+def notes() -> list[str]:
+    """What the columns mean where their headers cannot say it."""
+    return [f"95% interval: a paired bootstrap over the batches every decoder ran in turn (their passes kept "
+            f"together); '{DASH}' where a batch size had fewer than {MIN_UNITS} batches (more prompts give one; more "
+            f"eval.repeats do not, as they decode the same batches again). A speedup whose interval holds 1.00x is a "
+            f"tie with ar.",
+            "FLOPs / plain: the run's FLOPs over what plain decoding spends on the same output, one token at a time "
+            "without padding (ar itself reads above 1.00x where its batches pad ragged prompts). Useful FLOPs include "
+            "the draft's reads of kept tokens: useful above 1.00x is what the draft costs."]
 
 
 def title(meta: dict) -> str:
@@ -216,12 +236,12 @@ def log2_axis(ax: Axes, ticks: list[int]) -> None:
     ax.minorticks_off()
 
 
-def legend(ax: Axes) -> None:
-    """A legend, or a note on an empty plot (e.g. no policy drafted), so the file still explains itself."""
+def legend(ax: Axes, empty: str) -> None:
+    """A legend, or on an empty plot the note `empty` (e.g. no policy drafted), so the file still explains itself."""
     if ax.get_legend_handles_labels()[0]:
         ax.figure.legend(loc="outside right upper")  # beside the axes: lines and bars stay visible
     else:
-        ax.text(0.5, 0.5, "no data: no run has these keys", transform=ax.transAxes, ha="center", color="gray")
+        ax.text(0.5, 0.5, f"no data: {empty}", transform=ax.transAxes, ha="center", color="gray")
 
 
 def by_policy(runs: list[dict], keep: Callable[[dict], bool]) -> dict[str, list[dict]]:
@@ -247,10 +267,12 @@ def plot_speedup(runs: list[dict]) -> Figure:
                            marker="o", markersize=4, capsize=2, elinewidth=1, label=policy)
         unsure = [(xi, yi) for xi, yi, r in zip(x, y, rows) if not r.get("speedup_interval")]
         if unsure:  # no interval is not a zero-width one
-            ax.plot(*zip(*unsure), "o", markersize=6, color="white", markeredgecolor=line.lines[0].get_color())
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (plain decoding)")
+            ax.plot(*zip(*unsure), "o", markersize=6, color="white", markeredgecolor=line.lines[0].get_color(),
+                    zorder=3)  # above the errorbar's own markers
+    if groups:  # with nothing to compare, the reference line alone would pass for data
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="ar (plain decoding)")
     log2_axis(ax, batch_sizes(runs))
-    legend(ax)
+    legend(ax, "a speedup needs an ar run and another decoder")
     return fig
 
 
@@ -266,36 +288,38 @@ def plot_depth_vs_load(runs: list[dict]) -> Figure:
         ax.plot([r["batch_size"] for r in rows], [r["mean_depth"] for r in rows], marker="o", label=policy)
     ax.set_ylim(bottom=0)
     log2_axis(ax, batch_sizes(runs))
-    legend(ax)
+    legend(ax, "no policy drafted")
     return fig
 
 
 def plot_flops(runs: list[dict]) -> Figure:
-    """Stacked FLOP buckets over what plain decoding spends on the same tokens: bars above 1 are the extra
-    compute speculation trades for fewer sequential target passes."""
-    fig, ax = axes("FLOPs by bucket, relative to plain decoding", "policy, grouped by batch size",
-                   "FLOPs / ar-equivalent FLOPs")
-    x, ticks, labels = 0, [], []
-    group_label = blended_transform_factory(ax.transData, ax.transAxes)
-    for b in batch_sizes(runs):
-        rows = [r for r in runs if r["batch_size"] == b and flops_ratio(r, "total") is not None]
-        if not rows:
-            continue
-        for r in rows:
-            bottom = 0.0
-            for bucket, colour in BUCKET_COLOURS.items():
-                height = flops_ratio(r, bucket)
-                ax.bar(x, height, bottom=bottom, color=colour, label=None if ticks else bucket)  # legend once
-                bottom += height
-            ticks.append(x)
-            labels.append(r["policy"])
-            x += 1
-        ax.text(x - (len(rows) + 1) / 2, 1.01, f"batch {b}", transform=group_label, ha="center", va="bottom")
-        x += 1  # gap between batch groups
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="plain decoding")
-    ax.set_xticks(ticks, labels, rotation=30, ha="right")
-    ax.set_title(ax.get_title(), pad=18)  # room for the batch labels above the bars
-    legend(ax)
+    """Stacked FLOP buckets over what plain decoding spends on the same tokens, one panel per batch size and one
+    bar per policy: bars beyond 1 are the extra compute speculation trades for fewer sequential target passes.
+    Horizontal bars, so ~15 policy names stay readable (rotated under vertical bars they ran together)."""
+    engine = [r for r in runs if flops_ratio(r, "total") is not None]
+    sizes, policies = batch_sizes(engine), list(by_policy(engine, lambda r: True))
+    if not engine:
+        fig, ax = axes("FLOPs by bucket", "FLOPs / plain decoding's", "policy")
+        legend(ax, "no engine run")
+        return fig
+    fig = Figure(figsize=(max(8.0, 2.5 + 1.8 * len(sizes)), 1.5 + 0.3 * len(policies)), layout="constrained")
+    panels = fig.subplots(1, len(sizes), sharex=True, sharey=True, squeeze=False)[0]
+    y = range(len(policies))
+    for ax, b in zip(panels, sizes):
+        rows = {r["policy"]: r for r in engine if r["batch_size"] == b}
+        left = [0.0] * len(policies)
+        for bucket, colour in BUCKET_COLOURS.items():
+            width = [flops_ratio(rows[p], bucket) if p in rows else 0.0 for p in policies]
+            ax.barh(y, width, left=left, color=colour, label=bucket if ax is panels[0] else None)
+            left = [lo + w for lo, w in zip(left, width)]
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label="plain decoding" if ax is panels[0] else None)
+        ax.set_title(f"batch {b}")
+        ax.grid(axis="x", alpha=0.3)
+    panels[0].set_yticks(y, policies)
+    panels[0].invert_yaxis()  # first policy (ar) on top, as in the tables
+    fig.suptitle("FLOPs by bucket, relative to plain decoding")
+    fig.supxlabel("FLOPs / plain decoding's (the same output, one token at a time, no padding)")
+    legend(panels[0], "no engine run")
     return fig
 
 
@@ -312,7 +336,7 @@ def plot_acceptance(runs: list[dict]) -> Figure:
         ax.plot(*zip(*points), marker="o", label=policy)
     ax.set_ylim(0, 1.05)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    legend(ax)
+    legend(ax, "no policy drafted")
     return fig
 
 
@@ -334,10 +358,10 @@ def markdown(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path]) 
     lines = [f"# {title(meta)}", ""]
     lines += [f"- **{label}**: {value}" for label, value in meta_items(meta)]
     loud = f"**{VIOLATED}**: " if check["mismatches"] else ""
-    lines += [""] + [f"{loud}{line}  " for line in lossless_lines(check)] + ["", interval_note()]
+    lines += [""] + [f"{loud}{line}  " for line in lossless_lines(check)] + [""] + [f"{n}  " for n in notes()]
     header = [h for h, _, _ in COLUMNS]
     for b in batch_sizes(runs):
-        lines += ["", f"## Batch size {b}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["", f"## {batch_heading(runs, b)}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in table_rows(runs, b)]
     lines += ["", "## Best policy per batch size", ""] + [f"- {best(runs, b)}" for b in batch_sizes(runs)]
     lines += ["", "## Plots", ""] + [f"![{name}]({path.name})" for name, path in plots.items()]
@@ -359,11 +383,11 @@ def html_page(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path])
              f"<style>{CSS}</style></head><body><h1>{e(title(meta))}</h1><ul>"]
     parts += [f"<li><b>{e(label)}</b>: {e(value)}</li>" for label, value in meta_items(meta)]
     parts += ["</ul>"] + [f"<p class='{status}'>{loud}{e(line)}</p>" for line in lossless_lines(check)]
-    parts.append(f"<p>{e(interval_note())}</p>")
+    parts += [f"<p>{e(n)}</p>" for n in notes()]
     header = "".join(f"<th>{e(h)}</th>" for h, _, _ in COLUMNS)
     for b in batch_sizes(runs):
         body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in table_rows(runs, b))
-        parts.append(f"<h2>Batch size {b}</h2><table><tr>{header}</tr>{body}</table>")
+        parts.append(f"<h2>{e(batch_heading(runs, b))}</h2><table><tr>{header}</tr>{body}</table>")
     parts += ["<h2>Best policy per batch size</h2><ul>"] + [f"<li>{e(best(runs, b))}</li>" for b in batch_sizes(runs)]
     parts += ["</ul><h2>Plots</h2>"]
     for name, path in plots.items():

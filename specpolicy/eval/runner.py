@@ -60,7 +60,8 @@ class PolicyRun:
         by_load = zip(total.depth_at_load.tolist(), total.steps_at_load.tolist())
         return {
             **_timing(self.policy, self.batch_size, self.units, ar_tokens_per_s),
-            "acceptance_rate": total.acceptance_rate, "mean_accepted": total.mean_accepted,
+            "acceptance_rate": total.acceptance_rate if total.drafted else None,  # undefined: nothing drafted
+            "mean_accepted": total.mean_accepted,
             "mean_depth": total.mean_depth, "target_forwards": total.target_forwards,
             "draft_forwards": total.draft_forwards, "flops": total.flops_dict(), "upper_bound": self.upper_bound,
             "kind": self.kind, "policy_ms_per_step": 1e3 * total.policy_s / max(total.steps, 1),
