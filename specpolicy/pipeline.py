@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig
 
 from specpolicy import stages
@@ -32,6 +32,7 @@ from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
+from specpolicy.policy import DepthPolicy, OraclePolicy
 
 log = logging.getLogger("specpolicy")
 
@@ -72,6 +73,7 @@ def evaluate(cfg: DictConfig) -> None:
     check_int("seed", cfg.seed)
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
+    chosen = eval_policies(cfg)
     source = instantiate(cfg.data)
     conversations = source.load()  # a bad prompts file fails before any model loads
     if cfg.data.split in ("train", "all") and not source.serves_every_split:  # that one: check_held_out
@@ -88,13 +90,7 @@ def evaluate(cfg: DictConfig) -> None:
     engine = instantiate(cfg.engine)(target.model, draft.model)
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
     # after the models: a wrong model path is the problem to report, not the artefacts a policy reads
-    policies = {name: instantiate(policy) for name, policy in cfg.eval.policies.items() if policy is not None}
-    if engine.temperature > 0:  # the oracle knows greedy continuations only: sampling runs everything else
-        greedy = [name for name, policy in policies.items() if policy.greedy_only]
-        if greedy:
-            log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", engine.temperature,
-                        greedy)
-        policies = {name: policy for name, policy in policies.items() if name not in greedy}
+    policies = {name: instantiate(policy) for name, policy in chosen.items()}
     _explain_baselines(cfg, engine, draft, batch_sizes)
     logger = experiment_logger(cfg)  # before the decoding it logs: a logger that cannot start fails first
     rows, outputs = [], []
@@ -156,6 +152,42 @@ def check_eval_settings(settings: DictConfig) -> None:
         check_count("eval.num_prompts", settings.num_prompts)
     if settings.hf_baselines:  # 0 draft tokens would time assisted generation drafting nothing
         check_count("eval.hf_assisted_k", settings.hf_assisted_k)
+
+
+def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
+    """The policies evaluate decodes with, from their configs, before any model loads: at a temperature above 0
+    the greedy-only ones (the oracle) are left out; an oracle needs `ar`; and something must decode. Each of
+    these was found only after the models loaded and a warm-up ran, or as "write_report got no runs"."""
+    policies = {name: policy for name, policy in cfg.eval.policies.items() if policy is not None}
+    kinds = {name: _policy_class(name, policy) for name, policy in policies.items()}
+    sampled = cfg.engine.temperature > 0
+    if sampled and (greedy := [name for name, kind in kinds.items() if kind.greedy_only]):
+        log.warning("evaluate: temperature %s samples, so %s (greedy only) are left out", cfg.engine.temperature,
+                    greedy)
+        policies = {name: policy for name, policy in policies.items() if name not in greedy}
+    if (oracles := [name for name in policies if issubclass(kinds[name], OraclePolicy)]) and "ar" not in policies:
+        raise SpecPolicyError(f"eval.policies {oracles} need the target's greedy outputs, which `ar` decodes: keep "
+                              f"eval.policies.ar")
+    if not policies and not (cfg.eval.hf_baselines and not sampled):
+        left_out = " once the greedy-only ones are left out" if sampled else ""
+        raise SpecPolicyError(f"evaluate has nothing to decode: eval.policies is empty{left_out} and "
+                              f"{'hf_baselines are greedy only' if sampled else 'eval.hf_baselines=false'}; keep at "
+                              f"least one policy (e.g. eval.policies.ar)")
+    return policies
+
+
+def _policy_class(name: str, policy: DictConfig) -> type[DepthPolicy]:
+    target = policy.get("_target_") if isinstance(policy, DictConfig) else None
+    try:
+        kind = get_class(target) if target else None
+    except (ImportError, ValueError) as err:  # hydra's message (several lines) names what it could not import
+        why = " ".join(str(err).split())
+        raise SpecPolicyError(f"eval.policies.{name}: cannot import {target!r} ({why}); use a policy config from "
+                              f"conf/policy/") from err
+    if not (isinstance(kind, type) and issubclass(kind, DepthPolicy)):
+        raise SpecPolicyError(f"eval.policies.{name} is not a depth policy (_target_: {target}); use a policy "
+                              f"config from conf/policy/")
+    return kind
 
 
 def _explain_baselines(cfg: DictConfig, engine: Engine, draft: LoadedModel, batch_sizes: list[int]) -> None:

@@ -152,6 +152,27 @@ def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it
         assert warning in caplog.text
 
 
+@pytest.mark.parametrize("keep, overrides, message", [
+    (None, ["eval.policies.ar=null"], "eval.policies ['oracle'] need the target's greedy outputs, which `ar` decodes"),
+    ((), ["eval.hf_baselines=false"], "nothing to decode: eval.policies is empty and eval.hf_baselines=false"),
+    (("oracle",), ["engine.temperature=0.8"], "nothing to decode: eval.policies is empty once the greedy-only ones"),
+    (None, ["eval.policies.oracle._target_=specpolicy.policy.Nope"], "eval.policies.oracle: cannot import "
+                                                                    "'specpolicy.policy.Nope' (Error loading"),
+    (None, ["eval.policies.oracle._target_=pathlib.Path"], "eval.policies.oracle is not a depth policy"),
+])
+def test_policies_that_cannot_make_a_report_are_refused_before_any_model_loads(keep, overrides, message, tmp_path,
+                                                                                monkeypatch) -> None:
+    """Each was found after the models loaded: "write_report got no runs", or the oracle's "needs the target's
+    greedy outputs" after the other policies' warm-up."""
+    monkeypatch.setattr("specpolicy.stages.load_pair", lambda *a: pytest.fail("a model loaded"))
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", *overrides], tmp_path)
+    for name in list(cfg.eval.policies) if keep is not None else []:
+        cfg.eval.policies[name] = cfg.eval.policies[name] if name in keep else None
+    with pytest.raises(SpecPolicyError) as err:
+        evaluate(cfg)
+    assert message in bad_input(err.value) and "\n" not in bad_input(err.value)
+
+
 def test_batch_sizes_beyond_the_prompts_are_left_out_by_name(caplog) -> None:
     """A batch of 8 over 4 prompts would run 4 rows under the name of batch 8: such sizes are dropped, loudly."""
     with caplog.at_level("WARNING", logger="specpolicy"):
