@@ -29,6 +29,8 @@ from specpolicy.errors import SpecPolicyError
 log = logging.getLogger("specpolicy")
 # keys that say where outputs go or whether to resume, not what they hold
 WHERE = frozenset({"out_dir", "default_root_dir", "dirpath", "cache_dir", "ckpt_path", "missing"})
+# of a model source's settings, those that say how it runs here, not which model it is (`model_identity`)
+RUNTIME = frozenset({"dtype", "device", "skinny_gemm"})
 # of a Lightning Trainer's settings, those that change what it trains (not how it logs or validates)
 TRAINING = frozenset({"max_steps", "max_epochs", "precision", "accumulate_grad_batches", "gradient_clip_val",
                       "gradient_clip_algorithm", "devices", "num_nodes", "strategy"})
@@ -97,6 +99,20 @@ def _relative(tree: Any, home: str | None) -> Any:
     return tree
 
 
+def model_identity(source: dict[str, Any]) -> dict[str, Any]:
+    """A model source's recorded settings without the `RUNTIME` keys: which model, not how it ran here."""
+    return {k: v for k, v in source.items() if k not in RUNTIME}
+
+
+def made_for(stage: str, out: Path, target: dict[str, Any]) -> str | None:
+    """What differs between the target `out` was made for (its record's) and `target` (`model_identity`), as
+    "key: old -> new; ..."; None when they agree, or `out` has no record that says."""
+    old = (_read_record(stage, out) or {}).get("target")
+    if not isinstance(old, dict):
+        return None
+    return _listed(_changes(_flat({"target": model_identity(old)}), _flat({"target": target}))) or None
+
+
 def record(out: Path, made_with: dict[str, Any]) -> None:
     with atomic_path(record_path(out)) as tmp:
         tmp.write_text(json.dumps(made_with, indent=2, sort_keys=True))
@@ -105,21 +121,36 @@ def record(out: Path, made_with: dict[str, Any]) -> None:
 def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) -> None:
     """Refuse `out` if its record says it was made with other settings than `made_with`, naming them and `fix`.
     An output without a record (made before records were kept) is reused, with a warning."""
-    path = record_path(out)
-    if not path.exists():
+    old = _read_record(stage, out)
+    if old is None:
         log.warning("%s: %s has no record of the settings it was made with; reusing it as it is", stage, out)
         return
+    changed = _changes(_flat(old), _flat(json.loads(json.dumps(made_with))))
+    if changed:
+        raise SpecPolicyError(f"{stage}: {out} was made with other settings ({_listed(changed)}); {fix}")
+
+
+def _read_record(stage: str, out: Path) -> dict[str, Any] | None:
+    """`out`'s settings record, None without one (made before records were kept)."""
+    path = record_path(out)
+    if not path.exists():
+        return None
     try:
-        old = _flat(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except ValueError as err:  # written whole by `record`: damaged by hand or by the disk
         raise SpecPolicyError(f"{stage}: the settings record {path} is damaged ({err}); delete it and {out} to "
                               f"remake {out.name}") from err
-    new = _flat(json.loads(json.dumps(made_with)))
-    changed = [_change(k, old.get(k, "(unset)"), new.get(k, "(unset)"))
-               for k in sorted(old.keys() | new.keys()) if not _same(old.get(k), new.get(k))]
-    if changed:
-        more = f"; and {len(changed) - 4} more" if len(changed) > 4 else ""
-        raise SpecPolicyError(f"{stage}: {out} was made with other settings ({'; '.join(changed[:4])}{more}); {fix}")
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """"key: old -> new" for each flat key of `new` that `old` lacks or holds otherwise. A key only `old` has is
+    one the output no longer depends on (a record written by older code)."""
+    return [_change(k, old.get(k, "(unset)"), new[k]) for k in sorted(new) if not _same(old.get(k), new[k])]
+
+
+def _listed(changed: list[str]) -> str:
+    more = f"; and {len(changed) - 4} more" if len(changed) > 4 else ""
+    return "; ".join(changed[:4]) + more
 
 
 def _same(old: Any, new: Any) -> bool:

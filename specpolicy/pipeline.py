@@ -19,9 +19,9 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig
 
 from specpolicy import stages
-from specpolicy.atomic import record_path
+from specpolicy.atomic import made_for, model_identity, record_path, settings
 from specpolicy.cli import experiment_logger
-from specpolicy.cost.profile import device_name
+from specpolicy.cost.profile import device_name, profile_file
 from specpolicy.data import PromptSource, encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
@@ -74,6 +74,7 @@ def evaluate(cfg: DictConfig) -> None:
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
     chosen = eval_policies(cfg)
+    check_made_for_target(cfg, chosen)
     source = instantiate(cfg.data)
     conversations = source.load()  # a bad prompts file fails before any model loads
     if cfg.data.split in ("train", "all") and not source.serves_every_split:  # that one: check_held_out
@@ -174,6 +175,25 @@ def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
                               f"{'hf_baselines are greedy only' if sampled else 'eval.hf_baselines=false'}; keep at "
                               f"least one policy (e.g. eval.policies.ar)")
     return policies
+
+
+def check_made_for_target(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
+    """Evaluating another target with an experiment's outputs ran without a word. A draft distilled for another
+    target still decodes losslessly (a fair experiment: how well does it transfer?), so that is a warning; a latency
+    profile of another target prices every decision of `goodput` and `learned` wrong, so that stops."""
+    target = model_identity(settings(cfg, ["target"])["target"])
+    draft = cfg.draft.get("source", {}).get("path")
+    if draft and (changed := made_for("evaluate", Path(draft), target)):
+        log.warning("evaluate: the draft at %s was distilled for another target (%s): its acceptance is that of a "
+                    "draft made for that one", draft, changed)
+    for name, policy in policies.items():
+        if not policy.get("profile"):
+            continue
+        path = profile_file(policy.profile, cfg.runtime.device, cfg.runtime.dtype, cfg.runtime.skinny_gemm)
+        if changed := made_for("evaluate", path, target):
+            raise SpecPolicyError(f"eval.policies.{name} reads the latency profile {path}, measured for another "
+                                  f"target ({changed}); run scripts/train.py for this target with its own "
+                                  f"experiment_name, or set eval.policies.{name}=null")
 
 
 def _policy_class(name: str, policy: DictConfig) -> type[DepthPolicy]:

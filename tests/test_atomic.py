@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from specpolicy.atomic import atomic_path, record, record_path, settings, written
+from specpolicy.atomic import atomic_path, made_for, model_identity, record, record_path, settings, written
 from specpolicy.errors import SpecPolicyError
 
 
@@ -84,3 +84,23 @@ def test_a_moved_experiment_folder_keeps_its_outputs_reusable(tmp_path: Path) ->
     record(out, {**made_with(tmp_path / "b"), "trained_draft": {"source": {"path": str(tmp_path / "b" / "draft")}}})
     out.mkdir()
     assert written("profile", out, made_with(tmp_path / "b"))
+
+
+def test_a_setting_only_an_old_record_has_is_no_longer_depended_on(tmp_path: Path) -> None:
+    """Drafts recorded the target's dtype, which distillation never used: a bf16 rerun refused its own draft. A key
+    the new settings lack is one the output does not depend on any more; a key they add still counts."""
+    out = tmp_path / "draft"
+    out.mkdir()
+    record(out, {"target": {"path": "m", "dtype": "float32"}, "seed": 0})
+    assert written("distil", out, {"target": {"path": "m"}, "seed": 0})
+    with pytest.raises(SpecPolicyError, match=r"\(data.prompt_field: \(unset\) -> prompt\)"):
+        written("distil", out, {"target": {"path": "m"}, "seed": 0, "data.prompt_field": "prompt"})
+
+
+def test_what_an_output_was_made_for_is_read_from_its_record(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    assert made_for("evaluate", out, {"path": "a"}) is None  # no record: nothing to say
+    record(out, {"target": {"path": "a", "dtype": "float32", "device": "auto", "skinny_gemm": True}})
+    assert model_identity({"path": "a", "dtype": "bfloat16", "device": "cpu"}) == {"path": "a"}
+    assert made_for("evaluate", out, {"path": "a"}) is None  # how it ran is not which model it is
+    assert made_for("evaluate", out, {"path": "b"}) == "target.path: a -> b"

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 
 import synthetic
 from compose import CONF, compose_config
-from specpolicy.atomic import record
+from specpolicy.atomic import model_identity, record, settings
+from specpolicy.distill.stage import draft_settings
 from specpolicy.cli import bad_input
 from specpolicy.cost.profile import profile_file
 from specpolicy.errors import SpecPolicyError, fitting_batch_sizes
@@ -171,6 +172,32 @@ def test_policies_that_cannot_make_a_report_are_refused_before_any_model_loads(k
     with pytest.raises(SpecPolicyError) as err:
         evaluate(cfg)
     assert message in bad_input(err.value) and "\n" not in bad_input(err.value)
+
+
+def test_evaluating_another_target_with_an_experiment_s_outputs_is_named(tmp_path, monkeypatch, caplog) -> None:
+    """It ran without a word: a draft distilled for another target is a warning (it still decodes losslessly), the
+    latency profile of another target that goodput and learned price their depths with stops evaluate."""
+    monkeypatch.setattr("specpolicy.stages.load_pair", lambda *a: pytest.fail("a model loaded"))
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast"], tmp_path)
+    other = {"target": {**model_identity(settings(cfg, ["target"])["target"]), "model_type": "qwen2"}}
+    draft = Path(cfg.draft.source.path)
+    draft.mkdir(parents=True)
+    record(draft, other)
+    profile = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype,
+                           cfg.runtime.skinny_gemm)
+    record(profile, other)
+    with caplog.at_level("WARNING", logger="specpolicy"), pytest.raises(SpecPolicyError) as err:
+        evaluate(cfg)
+    assert f"the draft at {draft} was distilled for another target (target.model_type: qwen2 -> llama)" in caplog.text
+    assert bad_input(err.value).startswith(f"eval.policies.goodput reads the latency profile {profile}, measured for "
+                                           f"another target (target.model_type: qwen2 -> llama)")
+
+
+def test_a_draft_is_reused_whatever_dtype_device_or_kernels_later_stages_run(tmp_path) -> None:
+    """A bf16 rerun, or runtime.device=cpu for `auto`, refused a finished distillation that never used them."""
+    base = draft_settings(compose_config("train", ["experiment=tiny", "debug=fast"], tmp_path))
+    for override in ("runtime.dtype=bfloat16", "runtime.device=cpu", "runtime.skinny_gemm=false"):
+        assert draft_settings(compose_config("train", ["experiment=tiny", "debug=fast", override], tmp_path)) == base
 
 
 def test_batch_sizes_beyond_the_prompts_are_left_out_by_name(caplog) -> None:

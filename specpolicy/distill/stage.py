@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
-from specpolicy.atomic import record, settings, written
+from specpolicy.atomic import model_identity, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
 from specpolicy.data import encode_prompts, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
@@ -97,9 +97,16 @@ def check_distil(cfg: DictConfig) -> None:
     check_ckpt_path("distill.ckpt_path", d.ckpt_path, OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath"))
 
 
+def draft_settings(cfg: DictConfig) -> dict:
+    """What a distilled draft is made of (`MADE_WITH`): of the target, which model it is, not the dtype, device or
+    kernels it runs with elsewhere (distillation loads it in float32), so a bf16 evaluation reuses the draft."""
+    made_with = settings(cfg, MADE_WITH)
+    return {**made_with, "target": model_identity(made_with["target"])}
+
+
 def distil(cfg: DictConfig) -> None:
     out = Path(cfg.paths.experiment_dir) / "draft"
-    made_with = settings(cfg, MADE_WITH)
+    made_with = draft_settings(cfg)
     if written("distil", out, made_with, out / "config.json"):
         return
     check_distil(cfg)  # the pipeline checked already; scripts/bench_distill.py calls this stage directly
