@@ -88,6 +88,27 @@ def test_incomplete_hf_folders_say_what_is_missing(target, tmp_path: Path) -> No
         PretrainedSource(path=str(tmp_path / "m"), device="cpu").load()
 
 
+def test_a_model_without_its_tokenizer_is_named_at_load(target, tmp_path: Path) -> None:
+    """A training checkpoint's folder (config and weights only) loaded with an empty tokenizer and stopped at
+    "every prompt needs at least one token"; another model's tokenizer at "not an id of the target's vocabulary";
+    a file of the folder at "the hub could not provide it"."""
+    save_model(tmp_path / "m", target.model, target.tokenizer)
+    with pytest.raises(SpecPolicyError, match=r"model path '.*config.json' is a file; point at the folder that holds "
+                                              r"it \('.*/m'\)"):
+        PretrainedSource(path=str(tmp_path / "m" / "config.json"), device="cpu").load()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "m" / name).unlink()
+    with pytest.raises(SpecPolicyError, match=r"has no tokenizer files .*tokenizer.save_pretrained"):
+        PretrainedSource(path=str(tmp_path / "m"), device="cpu").load()
+    bigger = copy.deepcopy(target.tokenizer)  # another model's: ids past this model's embedding
+    rows = target.model.get_input_embeddings().num_embeddings
+    bigger.add_tokens([f"<extra_{i}>" for i in range(rows - len(bigger) + 3)])
+    save_model(tmp_path / "s", target.model, bigger)
+    with pytest.raises(SpecPolicyError, match=rf"has {rows + 3} tokens but the model embeds {rows}: they do not "
+                                              rf"belong together"):
+        PretrainedSource(path=str(tmp_path / "s"), device="cpu").load()
+
+
 def test_bad_dtype_and_device_are_refused_before_loading() -> None:
     with pytest.raises(SpecPolicyError, match="unknown dtype 'float33'"):
         PretrainedSource(path="x", dtype="float33").load()

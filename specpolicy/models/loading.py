@@ -108,14 +108,17 @@ class PretrainedSource:
         if self.path.startswith(PACKAGE_PREFIX):
             return package_file(self.path.removeprefix(PACKAGE_PREFIX))
         path = Path(self.path).expanduser()
+        if path.is_file() and path.suffix != ".gguf":  # config.json or model.safetensors of a model folder
+            raise SpecPolicyError(f"model path {self.path!r} is a file; point at the folder that holds it "
+                                  f"({str(path.parent)!r}), or at a .gguf file")
         if path.exists():
             return path
         # hub ids are `owner/name` or, for the oldest models, a bare name (`gpt2`)
         looks_local = self.path.startswith((".", "/", "~")) or path.suffix == ".gguf" or self.path.count("/") > 1
         if looks_local:
             kind = "GGUF file" if path.suffix == ".gguf" else "model path"
-            fix = self.missing or ("point target.path / draft.path at an HF model folder, a .gguf file or a hub id "
-                                   "(owner/name)")
+            fix = self.missing or ("point target.path (or draft.source.path) at an HF model folder, a .gguf file "
+                                   "or a hub id (owner/name)")
             raise SpecPolicyError(f"{kind} {self.path!r} does not exist; {fix}")
         return Path(self.path)  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct or gpt2
 
@@ -169,11 +172,20 @@ def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTok
             (tmp / name).write_text(text)
 
 
+# what tokenizer.save_pretrained writes, for one kind of tokenizer or another
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
 def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     folder = Path(path)
     if folder.is_dir() and not (folder / "config.json").exists():
         raise SpecPolicyError(f"{path!r} is a folder but not an HF model folder (it has no config.json); point at the "
                               f"folder that save_pretrained wrote (config, weights and tokenizer)")
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        # transformers builds an empty tokenizer for it, and every prompt encodes to nothing
+        raise SpecPolicyError(f"the model folder {path!r} has no tokenizer files (tokenizer.json, ...); save the "
+                              f"model's tokenizer into it with tokenizer.save_pretrained({path!r})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -187,6 +199,10 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
             f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
             f"(offline, or a typo?); download it first or point at a local folder ({err.__class__.__name__})"
         ) from err
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:  # its ids past the embedding would fail as "not an id of the target's vocabulary"
+        raise SpecPolicyError(f"the tokenizer at {path!r} has {len(tokenizer)} tokens but the model embeds {rows}: "
+                              f"they do not belong together; save the model's own tokenizer beside it")
     return model, tokenizer
 
 
