@@ -175,6 +175,7 @@ def test_vocab_mismatch_names_both_sides(target, tmp_path: Path) -> None:
     other.tokenizer.add_tokens(["<extra>"])
     with pytest.raises(SpecPolicyError, match=r"target tiny-llama-0: 260 tokens, draft tiny-llama-0: 261 tokens"):
         check_compatible(target, other)
+    other.model.resize_token_embeddings(len(other.tokenizer))  # a model of its own tokenizer, not the target's
     save_model(tmp_path / "d", other.model, other.tokenizer)
     with pytest.raises(SpecPolicyError, match="draft tokenizer differs"):
         PretrainedDraft(PretrainedSource(path=str(tmp_path / "d"), device="cpu")).build(target)
