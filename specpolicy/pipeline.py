@@ -33,6 +33,7 @@ from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import DepthPolicy, OraclePolicy
+from specpolicy.runtime import check_runtime
 
 log = logging.getLogger("specpolicy")
 
@@ -59,6 +60,7 @@ def train(cfg: DictConfig) -> None:
     if not cfg.stages:
         log.warning("train: stages=[] runs nothing; list some of %s", list(STAGES))
     check_int("seed", cfg.seed)
+    check_runtime(cfg.runtime)
     for stage in cfg.stages:  # a setting that would fail a later stage fails now, not after a distillation
         CHECKS.get(stage, lambda _: None)(cfg)
     torch.manual_seed(cfg.seed)
@@ -71,6 +73,7 @@ def evaluate(cfg: DictConfig) -> None:
     """Every policy in `eval.policies` at every batch size in `eval.batch_sizes`, side by side on the same
     prompts, plus transformers' own decoding as honesty baselines; writes the report to `eval.out_dir`."""
     check_int("seed", cfg.seed)
+    check_runtime(cfg.runtime)
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
     chosen = eval_policies(cfg)

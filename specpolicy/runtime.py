@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_bool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -15,6 +17,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise SpecPolicyError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)} (e.g. runtime.dtype=float32)")
     return DTYPES[name]
+
+
+def check_runtime(runtime: Any) -> None:
+    """`runtime.*`, checked before a pipeline's first stage: a dtype typo stopped the profile stage, after a
+    distillation it had not been used in."""
+    resolve_dtype(runtime.dtype)
+    resolve_device(runtime.device)
+    check_bool("runtime.skinny_gemm", runtime.skinny_gemm)
 
 
 def resolve_device(name: str | torch.device) -> torch.device:

@@ -21,7 +21,7 @@ from specpolicy.atomic import atomic_path, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
-from specpolicy.data import encode_prompts, without
+from specpolicy.data import encode_fitting, without
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import (
     SpecPolicyError,
@@ -97,10 +97,13 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
 
 
 def check_collect(cfg: DictConfig) -> None:
+    """Collection's settings and prompts, before the stages before it run: a prompts file without a `split`
+    column (every prompt an evaluation prompt) or a `data.split` typo stopped it after distillation."""
     check_settings(cfg.engine)  # collection decodes with it
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
     for setting in ("k", "min_prompts_per_size", "max_new_tokens"):
         check_count(f"collect.{setting}", cfg.collect[setting])
+    _not_evaluated(cfg, instantiate(cfg.data, split="train", limit=None).load())
 
 
 def check_head(cfg: DictConfig) -> None:
@@ -132,8 +135,8 @@ def collect(cfg: DictConfig) -> None:
     target, draft = load_pair(cfg, cfg.trained_draft)
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
     conversations = _not_evaluated(cfg, _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load()))
-    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens,
-                             reserved_by="collect.max_new_tokens")
+    prompts = encode_fitting(target.tokenizer, conversations, target.context_length - c.max_new_tokens, "collect",
+                             f"the target's context of {target.context_length} less collect.max_new_tokens")
     sizes = fitting_batch_sizes("collect.batch_sizes", c.batch_sizes, len(prompts),
                                 "give data more train prompts, or lower distill.data.train_prompts")
     shards = out.with_name("rollouts_shards")

@@ -126,6 +126,8 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("train", "head.ckpt_path=/nowhere/x.ckpt", "head.ckpt_path: /nowhere/x.ckpt does not exist"),  # was after distil
     ("train", "distill.data.top_k=0", "distill.data.top_k > 0 (the target's log-probs it keeps per position); set "
                                       "distill.data.top_k=64, or distill.target_probs=online"),  # was after loading
+    ("train", "runtime.dtype=bf16x", "unknown dtype 'bf16x'"),  # stopped the profile stage, after distillation
+    ("train", "data.split=tset", "data.split='tset' is not a split of"),  # stopped collect, after distillation
 ])
 def test_a_bad_count_is_named_before_any_work(task: str, override: str, message: str, tmp_path: Path) -> None:
     """evaluate before any model loads; train before the distil stage, for every selected stage's settings."""
@@ -198,6 +200,24 @@ def test_a_draft_is_reused_whatever_dtype_device_or_kernels_later_stages_run(tmp
     base = draft_settings(compose_config("train", ["experiment=tiny", "debug=fast"], tmp_path))
     for override in ("runtime.dtype=bfloat16", "runtime.device=cpu", "runtime.skinny_gemm=false"):
         assert draft_settings(compose_config("train", ["experiment=tiny", "debug=fast", override], tmp_path)) == base
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": f"p{i}"} for i in range(40)], "every rollout prompt is also an evaluation prompt"),
+    ([{"prompt": f"p{i}", "split": s} for i, s in enumerate(["train", "dev", "test"] * 10)],
+     "distil reads the train/validation/test rows of {path}, whose `split` column has no validation (its splits: "
+     "['dev', 'test', 'train']); name those rows' split validation"),
+])
+def test_a_prompts_file_the_pipeline_cannot_use_is_named_before_any_stage(rows, message, tmp_path) -> None:
+    """Without a `split` column every prompt is an evaluation prompt, which collect refused after distil and
+    profile had run; a `dev` split was "data.split='validation' is not a split", a setting never made."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", f"data.prompts_file={path}"], tmp_path)
+    with pytest.raises(SpecPolicyError) as err:
+        train(cfg)
+    assert message.format(path=path) in bad_input(err.value)
+    assert not (tmp_path / "tiny").exists()
 
 
 def test_batch_sizes_beyond_the_prompts_are_left_out_by_name(caplog) -> None:

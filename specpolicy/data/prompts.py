@@ -49,9 +49,8 @@ class PromptSource:
             check_count("data.limit (or null for every prompt)", self.limit)
 
     def load(self) -> list[Conversation]:
-        rows = self._rows
-        if "split" in rows.column_names and self.split != "all":
-            splits = sorted({s for s in rows["split"] if s is not None})  # None: a row without one
+        rows, splits = self._rows, self.splits
+        if splits is not None and self.split != "all":
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self._name}; choose one of "
                                       f"{splits + ['all']}")
@@ -78,6 +77,14 @@ class PromptSource:
         raise SpecPolicyError(f"{where} has neither a non-empty {self.prompt_field!r} string nor a 'messages' list "
                               f"(its columns: {', '.join(row)}); name the prompt's column with "
                               f"data.prompt_field=COLUMN")
+
+    @property
+    def splits(self) -> list[str] | None:
+        """The splits named in a `split` column of a file or the embedded set; None without one (a hub dataset's
+        splits are its own)."""
+        if self.hub_dataset and not self.prompts_file or "split" not in self._rows.column_names:
+            return None
+        return sorted({s for s in self._rows["split"] if s is not None})  # None: a row without one
 
     @property
     def serves_every_split(self) -> bool:
@@ -186,3 +193,18 @@ def encode_prompts(
             )
         encoded.append(ids)
     return encoded
+
+
+def encode_fitting(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], longest: int, stage: str,
+                   limit: str) -> list[list[int]]:
+    """Token ids of the prompts of at most `longest` tokens: a training stage skips the others, saying how many and
+    which `limit` sets the length (evaluate refuses them instead, `encode_prompts`: its prompts are the test)."""
+    encoded = encode_prompts(tokenizer, conversations, context_length=2**62)
+    kept = [ids for ids in encoded if len(ids) <= longest]
+    if len(kept) < len(encoded):
+        log.warning("%s: %d of %d prompts are longer than %d tokens (%s); skipped", stage, len(encoded) - len(kept),
+                    len(encoded), longest, limit)
+    if not kept:
+        raise SpecPolicyError(f"{stage}: every prompt is longer than {longest} tokens ({limit}); use shorter prompts "
+                              f"or raise that limit")
+    return kept

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import model_identity, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
-from specpolicy.data import encode_prompts, without
+from specpolicy.data import encode_fitting, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
@@ -67,6 +67,7 @@ def check_distil(cfg: DictConfig) -> None:
                               f"cache keeps its top {d.data.top_k} only (at T=2 its even tail would take most of the "
                               f"mass); set distill.target_probs=online, or distill.temperature=1")
     check_number("distill.feature_loss", d.feature_loss, 0, why="a loss weight")
+    _check_splits(cfg)
     check_bool("distill.freeze_embeddings", d.freeze_embeddings)
     check_bool("distill.data.prompt_loss", d.data.prompt_loss)
     check_count("distill.batch_size", d.batch_size)
@@ -95,6 +96,18 @@ def check_distil(cfg: DictConfig) -> None:
     instantiate(d.data)
     instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
     check_ckpt_path("distill.ckpt_path", d.ckpt_path, OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath"))
+
+
+def _check_splits(cfg: DictConfig) -> None:
+    """A prompts file whose `split` column lacks a split distil reads (`dev` for validation) was refused after the
+    models loaded, as "data.split='validation' is not a split", a setting the user never made."""
+    source = instantiate(cfg.data, limit=None)
+    needed = ["train", "validation"] + (["test"] if cfg.distill.data.test_prompts != 0 else [])
+    if source.splits is not None and (missing := [s for s in needed if s not in source.splits]):
+        no_test = "; or set distill.data.test_prompts=0 to report no test metrics" if missing == ["test"] else ""
+        raise SpecPolicyError(f"distil reads the {'/'.join(needed)} rows of {source.prompts_file or 'the prompts'}, "
+                              f"whose `split` column has no {'/'.join(missing)} (its splits: {source.splits}); name "
+                              f"those rows' split {'/'.join(missing)}{no_test}")
 
 
 def draft_settings(cfg: DictConfig) -> dict:
@@ -262,17 +275,12 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
     if train and not groups["train"]:
         raise SpecPolicyError("every train prompt is also a validation or test prompt (a prompts file without a "
                               "`split` column serves every split); give its rows a `split`: train, validation or test")
-    fits = min(d.max_length, target.context_length - data.max_new_tokens)  # room for at least one response token
-    prompts = {}
-    for name, conversations in groups.items():
-        encoded = encode_prompts(tokenizer, conversations, context_length=2**62)
-        prompts[name] = [ids for ids in encoded if len(ids) < fits]
-        if len(prompts[name]) < len(encoded):
-            log.info("distil: %d of %d %s prompts are too long for distill.max_length=%d, skipped",
-                     len(encoded) - len(prompts[name]), len(encoded), name, d.max_length)
-        if not prompts[name]:
-            raise SpecPolicyError(f"every {name} prompt is longer than distill.max_length={d.max_length} tokens; "
-                                  f"raise distill.max_length")
+    room = target.context_length - data.max_new_tokens
+    limit = (f"distill.max_length={d.max_length}" if d.max_length <= room else
+             f"the target's context of {target.context_length} less distill.data.max_new_tokens")
+    # at least one response token after the prompt
+    prompts = {name: encode_fitting(tokenizer, conversations, min(d.max_length, room) - 1, f"distil ({name})", limit)
+               for name, conversations in groups.items()}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     val, test = prompts.pop("validation"), prompts.pop("test", [])
     return DistillDataModule(data, target.model, draft.model, prompts, val,
