@@ -85,7 +85,11 @@ def _what(node: Any, key: str) -> Any:
         node = OmegaConf.to_container(node, resolve=True)
     if isinstance(node, dict):
         keep = TRAINING if key.split(".")[-1] == "trainer" else None
-        return {k: _what(v, k) for k, v in node.items() if k not in WHERE and (keep is None or k in keep)}
+        found = {k: _what(v, k) for k, v in node.items() if k not in WHERE and (keep is None or k in keep)}
+        if str(node.get("_target_", "")).endswith(".PretrainedSource") and isinstance(node.get("path"), str):
+            from specpolicy.models.loading import files_digest  # which imports this module
+            found["files"] = files_digest(node["path"])  # a model saved again at the same path is another model
+        return found
     return [_what(v, key) for v in node] if isinstance(node, list) else node
 
 

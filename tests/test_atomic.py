@@ -104,3 +104,23 @@ def test_what_an_output_was_made_for_is_read_from_its_record(tmp_path: Path) -> 
     assert model_identity({"path": "a", "dtype": "bfloat16", "device": "cpu"}) == {"path": "a"}
     assert made_for("evaluate", out, {"path": "a"}) is None  # how it ran is not which model it is
     assert made_for("evaluate", out, {"path": "b"}) == "target.path: a -> b"
+
+
+def test_a_model_saved_again_at_the_same_path_is_another_model(tmp_path: Path) -> None:
+    """Outputs were reused for a target retrained into the same folder: its files are part of the settings."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"hidden_size": 64}')
+    (folder / "model.safetensors").write_bytes(bytes(3 << 20))  # past the sampled ends
+    cfg = OmegaConf.create({"target": {"_target_": "specpolicy.models.PretrainedSource", "path": str(folder)}})
+    made_with = settings(cfg, ["target"])
+    assert made_with["target"]["files"] is not None
+    out = tmp_path / "profile.json"
+    record(out, made_with)
+    out.write_text("{}")
+    assert written("profile", out, settings(cfg, ["target"]))
+    (folder / "model.safetensors").write_bytes(bytes(3 << 20)[:-1] + b"\x01")  # retrained: its last bytes differ
+    with pytest.raises(SpecPolicyError, match=r"other settings \(target.files: \w+ -> \w+\)"):
+        written("profile", out, settings(cfg, ["target"]))
+    hub = OmegaConf.create({"target": {"_target_": "specpolicy.models.PretrainedSource", "path": "owner/model"}})
+    assert settings(hub, ["target"])["target"]["files"] is None  # a hub id: its revision is the hub's to keep

@@ -145,6 +145,32 @@ class PretrainedSource:
         return out
 
 
+SAMPLE = 1 << 20  # bytes read from each end of a weights file for its digest
+
+
+def files_digest(path: str) -> str | None:
+    """A digest of the local model at `path` (a folder, a GGUF file, or one inside a package), None for a hub id:
+    a model retrained into the same folder must not pass for the one an output was made with. Small files are read
+    whole; a large one (weights) by its size and first and last MiB, which any retraining changes (0.01 s for a
+    multi-GB model, where reading it whole would take seconds at every stage)."""
+    local = package_file(path.removeprefix(PACKAGE_PREFIX)) if path.startswith(PACKAGE_PREFIX) else Path(path)
+    local = local.expanduser()
+    if not local.exists():
+        return None
+    digest = hashlib.sha256()
+    for file in sorted(local.iterdir()) if local.is_dir() else [local]:
+        if not file.is_file():
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(SAMPLE))
+            if size > 2 * SAMPLE:
+                f.seek(-SAMPLE, 2)
+            digest.update(f.read(SAMPLE))
+    return digest.hexdigest()[:16]
+
+
 def package_file(spec: str) -> Path:
     """`module/file` inside an installed package, found without importing the package."""
     module, _, filename = spec.partition("/")
