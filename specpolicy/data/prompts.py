@@ -171,10 +171,9 @@ def without(conversations: list[Conversation], excluded: list[Conversation], sta
 
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], context_length: int, reserve: int = 0,
-    reserved_by: str = "engine.max_new_tokens",
 ) -> list[list[int]]:
-    """Token ids per prompt, chat template applied; `reserve` tokens of context (the setting `reserved_by`) are
-    kept for generation."""
+    """Token ids per prompt, chat template applied; `reserve` tokens of context (engine.max_new_tokens) are kept
+    for generation, and a prompt without room for them is refused (training stages skip it: `encode_fitting`)."""
     encoded = []
     for i, conversation in enumerate(conversations):
         if tokenizer.chat_template:
@@ -189,7 +188,7 @@ def encode_prompts(
         if len(ids) + reserve > context_length:
             raise SpecPolicyError(
                 f"prompt {i} is {len(ids)} tokens, and with {reserve} tokens of generation it exceeds the "
-                f"model's context of {context_length}; shorten the prompt or lower {reserved_by}"
+                f"model's context of {context_length}; shorten the prompt or lower engine.max_new_tokens"
             )
         encoded.append(ids)
     return encoded
