@@ -89,7 +89,7 @@ class PromptSource:
     @property
     def serves_every_split(self) -> bool:
         """A prompts file without a `split` column: every split is the whole file."""
-        return bool(self.prompts_file) and "split" not in self._rows.column_names
+        return bool(self.prompts_file) and self.splits is None
 
     @property
     def _name(self) -> str:
@@ -97,7 +97,7 @@ class PromptSource:
 
     @functools.cached_property
     def _rows(self) -> datasets.Dataset:
-        """The source's rows, read once: `load` and `serves_every_split` both need them."""
+        """The source's rows, read once: `load`, `splits` and `serves_every_split` all need them."""
         if self.prompts_file:
             rows = _load_file(Path(self.prompts_file).expanduser())
             if Path(self.prompts_file).suffix == ".txt":  # one prompt per line; blank lines separate nothing
