@@ -111,7 +111,7 @@ def model_identity(source: dict[str, Any]) -> dict[str, Any]:
 def made_for(stage: str, out: Path, target: dict[str, Any]) -> str | None:
     """What differs between the target `out` was made for (its record's) and `target` (`model_identity`), as
     "key: old -> new; ..."; None when they agree, or `out` has no record that says."""
-    old = (_read_record(stage, out) or {}).get("target")
+    old = (read_record(stage, out) or {}).get("target")
     if not isinstance(old, dict):
         return None
     return _listed(_changes(_flat({"target": model_identity(old)}), _flat({"target": target}))) or None
@@ -125,7 +125,7 @@ def record(out: Path, made_with: dict[str, Any]) -> None:
 def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) -> None:
     """Refuse `out` if its record says it was made with other settings than `made_with`, naming them and `fix`.
     An output without a record (made before records were kept) is reused, with a warning."""
-    old = _read_record(stage, out)
+    old = read_record(stage, out)
     if old is None:
         log.warning("%s: %s has no record of the settings it was made with; reusing it as it is", stage, out)
         return
@@ -134,7 +134,7 @@ def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) 
         raise SpecPolicyError(f"{stage}: {out} was made with other settings ({_listed(changed)}); {fix}")
 
 
-def _read_record(stage: str, out: Path) -> dict[str, Any] | None:
+def read_record(stage: str, out: Path) -> dict[str, Any] | None:
     """`out`'s settings record, None without one (made before records were kept)."""
     path = record_path(out)
     if not path.exists():

@@ -6,7 +6,6 @@ rerun alone and is skipped when its output exists.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -19,7 +18,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig
 
 from specpolicy import stages
-from specpolicy.atomic import made_for, model_identity, record_path, settings
+from specpolicy.atomic import made_for, model_identity, read_record, settings
 from specpolicy.cli import experiment_logger
 from specpolicy.cost.profile import device_name, profile_file
 from specpolicy.data import PromptSource, encode_prompts
@@ -124,10 +123,9 @@ def check_held_out(cfg: DictConfig, source: PromptSource, count: int) -> None:
     split: the distil stage held out only its first val_prompts / test_prompts rows and trained on the rest (read
     from the draft's settings record, `atomic.record`), while evaluate decodes the first `count` rows."""
     path = cfg.draft.get("source", {}).get("path")
-    record = record_path(Path(path)) if path else None
-    if record is None or not record.exists() or not source.serves_every_split:
+    made = read_record("evaluate", Path(path)) if path and source.serves_every_split else None
+    if made is None:
         return
-    made = json.loads(record.read_text())
     held = made.get("distill", {}).get("data", {})
     sizes = [held.get("val_prompts"), held.get("test_prompts")]
     distilled_on = made.get("data.prompts_file")
