@@ -105,9 +105,7 @@ class PretrainedSource:
 
     def _resolve(self) -> Path:
         """Turn the configured string into a local path, or return it unchanged when it can only be a hub id."""
-        if self.path.startswith(PACKAGE_PREFIX):
-            return package_file(self.path.removeprefix(PACKAGE_PREFIX))
-        path = Path(self.path).expanduser()
+        path = local_path(self.path)
         if path.is_file() and path.suffix != ".gguf":  # config.json or model.safetensors of a model folder
             raise SpecPolicyError(f"model path {self.path!r} is a file; point at the folder that holds it "
                                   f"({str(path.parent)!r}), or at a .gguf file")
@@ -153,8 +151,7 @@ def files_digest(path: str) -> str | None:
     a model retrained into the same folder must not pass for the one an output was made with. Small files are read
     whole; a large one (weights) by its size and first and last MiB, which any retraining changes (0.01 s for a
     multi-GB model, where reading it whole would take seconds at every stage)."""
-    local = package_file(path.removeprefix(PACKAGE_PREFIX)) if path.startswith(PACKAGE_PREFIX) else Path(path)
-    local = local.expanduser()
+    local = local_path(path)
     if not local.exists():
         return None
     digest = hashlib.sha256()
@@ -169,6 +166,14 @@ def files_digest(path: str) -> str | None:
                 f.seek(-SAMPLE, 2)
             digest.update(f.read(SAMPLE))
     return digest.hexdigest()[:16]
+
+
+def local_path(path: str) -> Path:
+    """Where a configured model path lies on this disk: `package:<module>/<file>` inside its package, else the path
+    itself (which, for a hub id, does not exist)."""
+    if path.startswith(PACKAGE_PREFIX):
+        return package_file(path.removeprefix(PACKAGE_PREFIX))
+    return Path(path).expanduser()
 
 
 def package_file(spec: str) -> Path:
