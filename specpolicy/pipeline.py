@@ -18,10 +18,10 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig
 
 from specpolicy import stages
-from specpolicy.atomic import made_for, model_identity, read_record, settings
+from specpolicy.atomic import made_for, model_identity, settings
 from specpolicy.cli import experiment_logger
 from specpolicy.cost.profile import device_name, profile_file
-from specpolicy.data import PromptSource, encode_prompts
+from specpolicy.data import Conversation, PromptSource, encode_prompts, trained_on
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
@@ -86,7 +86,7 @@ def evaluate(cfg: DictConfig) -> None:
         log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
                     cfg.eval.num_prompts, cfg.data.split, len(conversations))
     conversations = conversations[: cfg.eval.num_prompts]
-    check_held_out(cfg, source, len(conversations))
+    check_held_out(cfg, source, conversations)
     batch_sizes = fitting_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
                                       "raise eval.num_prompts or data.limit, or give data.prompts_file more prompts")
     target, draft = stages.load_pair(cfg, cfg.draft)
@@ -118,26 +118,20 @@ def evaluate(cfg: DictConfig) -> None:
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
 
 
-def check_held_out(cfg: DictConfig, source: PromptSource, count: int) -> None:
-    """Refuse to evaluate a draft on its own training prompts. A prompts file without a `split` column is every
-    split: the distil stage held out only its first val_prompts / test_prompts rows and trained on the rest (read
-    from the draft's settings record, `atomic.record`), while evaluate decodes the first `count` rows."""
+def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Conversation]) -> None:
+    """Refuse to score a draft on prompts it was distilled on, known by content from its `TRAINED_ON` file: a prompts
+    file without a `split` column is every split (distil held out only its first rows), a copy of the file has
+    another path, and another data set may share prompts. data.split=train or all asks for them (a warning)."""
     path = cfg.draft.get("source", {}).get("path")
-    made = read_record("evaluate", Path(path)) if path and source.serves_every_split else None
-    if made is None:
+    if not path or cfg.data.split in ("train", "all") and not source.serves_every_split:
         return
-    held = made.get("distill", {}).get("data", {})
-    sizes = [held.get("val_prompts"), held.get("test_prompts")]
-    distilled_on = made.get("data.prompts_file")
-    same = distilled_on is not None and Path(distilled_on).expanduser().resolve() == \
-        Path(cfg.data.prompts_file).expanduser().resolve()
-    if not same or None in sizes:  # None: every row was held out
-        return
-    if count > max(sizes):
-        raise SpecPolicyError(f"the draft at {path} was distilled on {cfg.data.prompts_file}, which has no `split` "
-                              f"column: only its first {max(sizes)} prompts were held out, and evaluate would decode "
-                              f"{count}, the rest of them training prompts; set eval.num_prompts={max(sizes)}, or give "
-                              f"the file's rows a `split` column (train / validation / test) and distil again")
+    seen = trained_on(path, conversations)
+    if seen:
+        fewer = f"set eval.num_prompts={seen[0]}, or " if seen[0] else ""
+        raise SpecPolicyError(f"{len(seen)} of the {len(conversations)} prompts evaluate would decode ({source.name}, "
+                              f"split={cfg.data.split}) are prompts the draft at {path} was distilled on (the first: "
+                              f"prompt {seen[0]}), where its acceptance and speedups are optimistic; {fewer}decode "
+                              f"prompts it never trained on (data.split=test, or another data.prompts_file)")
 
 
 def check_eval_settings(settings: DictConfig) -> None:

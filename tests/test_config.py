@@ -18,6 +18,7 @@ from specpolicy.atomic import model_identity, record, settings
 from specpolicy.distill.stage import draft_settings
 from specpolicy.cli import bad_input
 from specpolicy.cost.profile import profile_file
+from specpolicy.data import TRAINED_ON, digests_text
 from specpolicy.errors import SpecPolicyError, fitting_batch_sizes
 from specpolicy.pipeline import check_held_out, evaluate, train
 
@@ -268,13 +269,18 @@ def test_debug_fast_uses_a_tiny_model_and_its_own_folder(tmp_path: Path) -> None
 
 def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) -> None:
     """A prompts file without a `split` column is every split: distil held out its first rows only, and
-    eval.num_prompts past them scored the draft on prompts it was distilled on."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"Say {i}."}) for i in range(6)))
-    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"data.prompts_file={prompts}",
+    eval.num_prompts past them scored the draft on prompts it was distilled on. Known by content, so a copy of the
+    file (another path, where a check by path looked) is refused as well."""
+    texts = [f"Say {i}." for i in range(6)]
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"data.prompts_file={copy}",
                                       "eval.num_prompts=4"], tmp_path)
-    record(Path(cfg.draft.source.path), {"data.prompts_file": str(prompts),
-                                         "distill": {"data": {"val_prompts": 2, "test_prompts": 2}}})
-    with pytest.raises(SpecPolicyError, match="only its first 2 prompts were held out, and evaluate would decode 4"):
+    draft = Path(cfg.draft.source.path)
+    draft.mkdir(parents=True)
+    (draft / TRAINED_ON).write_text(digests_text([[{"role": "user", "content": t}] for t in texts[2:]]))
+    with pytest.raises(SpecPolicyError, match=r"2 of the 4 prompts evaluate would decode .* distilled on \(the first: "
+                                              r"prompt 2\).*set eval.num_prompts=2"):
         evaluate(cfg)
-    check_held_out(cfg, instantiate(cfg.data), 2)  # the held-out rows alone
+    source = instantiate(cfg.data)
+    check_held_out(cfg, source, source.load()[:2])  # the held-out rows alone

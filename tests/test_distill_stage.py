@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specpolicy.distill.stage import _datamodule, distil
+from specpolicy.data import PromptSource, trained_on
+from specpolicy.distill.stage import _datamodule, _prompt_groups, distil
 from specpolicy.distill.synthetic import PromptSynthesis
 from specpolicy.errors import SpecPolicyError
 
@@ -60,12 +61,18 @@ def test_debug_fast_distils_a_loadable_assistant(shared, recwarn):
     plain = target.generate(ids, max_new_tokens=6, do_sample=False)
     assisted = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft)
     assert torch.equal(plain, assisted)  # greedy assisted generation is lossless with our draft
+    every = PromptSource(prompts_file=str(shared / "prompts.jsonl"), split="all").load()
+    assert trained_on(shared / "e2e" / "tiny" / "draft", every) == list(range(12))  # the train rows, no held-out one
     before = (shared / "e2e" / "tiny" / "draft" / "metrics.json").stat().st_mtime_ns
     distil(cfg)  # second run: skipped
     assert (shared / "e2e" / "tiny" / "draft" / "metrics.json").stat().st_mtime_ns == before
     with pytest.raises(SpecPolicyError, match=r"^distil: .*draft was made with other settings \(distill.loss._target_: "
                                               r"specpolicy.distill.losses.forward_kl -> specpolicy.distill.losses.tvd"):
         distil(_cfg(shared, "e2e", "draft.layers=[0,-1]", "distill/loss=tvd"))  # was: skipped, old draft kept
+
+
+def _data(cfg, target):
+    return _datamodule(cfg, target, instantiate(cfg.draft).build(target), _prompt_groups(cfg, target))
 
 
 def _target(cfg):
@@ -200,7 +207,7 @@ def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_w
 
     cfg = _cfg(shared, "vocab_draft", "draft.layers=[0,-1]", "distill.data.source=draft")
     target = instantiate(cfg.target).load()
-    datamodule = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    datamodule = _data(cfg, target)
     rows = datamodule._load()["train"]
     for ids, n, written in list(zip(rows["input_ids"], rows["prompt_len"], datamodule.train_responses()))[:3]:
         with torch.no_grad():
@@ -247,7 +254,7 @@ def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(share
     monkeypatch.setattr(PromptSynthesis, "sample", lambda *a: [*texts, PROMPTS[12]])  # [12]: a validation prompt
     cfg = _cfg(shared, "synthetic", "distill/synthetic=magpie")
     target = instantiate(cfg.target, dtype="float32").load()
-    data = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    data = _data(cfg, target)
     data.setup("fit")
     groups = {name: datasets.load_from_disk(str(path)) for name, path in data._build().items()}
     assert set(groups) == {"train", "magpie", "validation", "test"}
@@ -264,7 +271,7 @@ def test_synthetic_prompts_join_the_training_set_as_their_own_cached_group(share
     synthesis = "specpolicy.distill.synthetic.PromptSynthesis"
     clash = _cfg(shared, "synthetic", f"+distill.synthetic.validation._target_={synthesis}")
     with pytest.raises(SpecPolicyError, match="clashes with the 'validation' prompts"):
-        _datamodule(clash, target, instantiate(clash.draft).build(target))
+        _prompt_groups(clash, target)
 
 
 def test_synthetic_openings_come_from_train_prompts_only(shared, tmp_path, monkeypatch):
@@ -283,7 +290,7 @@ def test_synthetic_openings_come_from_train_prompts_only(shared, tmp_path, monke
     cfg = _cfg(shared, "openings", f"data.prompts_file={tmp_path / 'overlap.jsonl'}", "distill/synthetic=openings",
                "distill.data.test_prompts=0")
     target = instantiate(cfg.target, dtype="float32").load()
-    _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    _prompt_groups(cfg, target)
     assert seen and not any(o.startswith("Count") for o in seen)
 
 
@@ -293,9 +300,9 @@ def test_a_prompt_set_without_a_test_split_says_how_to_go_without(shared, tmp_pa
     cfg = _cfg(shared, "no_test", f"data.prompts_file={tmp_path / 'no_test.jsonl'}")
     target = instantiate(cfg.target, dtype="float32").load()
     with pytest.raises(SpecPolicyError, match="split='test'.*distill.data.test_prompts=0"):
-        _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+        _prompt_groups(cfg, target)
     cfg = _cfg(shared, "no_test", f"data.prompts_file={tmp_path / 'no_test.jsonl'}", "distill.data.test_prompts=0")
-    assert "test" not in _datamodule(cfg, target, instantiate(cfg.draft).build(target)).held_out
+    assert "test" not in _data(cfg, target).held_out
 
 
 def test_prompts_that_are_also_held_out_are_not_trained_on(shared, tmp_path):
@@ -305,13 +312,13 @@ def test_prompts_that_are_also_held_out_are_not_trained_on(shared, tmp_path):
     cfg = _cfg(shared, "overlap", f"data.prompts_file={tmp_path / 'overlap.jsonl'}", "distill.data.test_prompts=0",
                "distill.data.train_prompts=null")
     target = instantiate(cfg.target, dtype="float32").load()
-    data = _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+    data = _data(cfg, target)
     assert len(data.prompts["train"]) == 12  # all 14 train rows but the two held-out ones
     unsplit = tmp_path / "unsplit.jsonl"  # no `split` column: the whole file is every split
     unsplit.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
     cfg = _cfg(shared, "overlap", f"data.prompts_file={unsplit}", "distill.data.train_prompts=8")  # = validation's 8
     with pytest.raises(SpecPolicyError, match="every train prompt is also a validation or test prompt"):
-        _datamodule(cfg, target, instantiate(cfg.draft).build(target))
+        _prompt_groups(cfg, target)
 
 
 def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):

@@ -1,5 +1,15 @@
 """Prompt sets: the embedded default, local files and hub datasets, all through `datasets`."""
 
-from specpolicy.data.prompts import PromptSource, encode_fitting, encode_prompts, without
+from specpolicy.data.prompts import (
+    TRAINED_ON,
+    Conversation,
+    PromptSource,
+    digests_text,
+    encode_fitting,
+    encode_prompts,
+    trained_on,
+    without,
+)
 
-__all__ = ["PromptSource", "encode_fitting", "encode_prompts", "without"]
+__all__ = ["TRAINED_ON", "Conversation", "PromptSource", "digests_text", "encode_fitting", "encode_prompts",
+           "trained_on", "without"]

@@ -9,6 +9,7 @@ from/value turns. Chat templates are applied by the tokenizer in `encode_prompts
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ EMBEDDED = Path(__file__).parent / "prompts" / "default.jsonl"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # other `from` values (system, user, ...) are roles already
 Conversation = list[dict[str, str]]
+# beside a trained draft or depth head: digests of the prompts it was trained on (`digests_text`, `trained_on`)
+TRAINED_ON = "trained_on.json"
 
 
 @dataclass
@@ -52,22 +55,22 @@ class PromptSource:
         rows, splits = self._rows, self.splits
         if splits is not None and self.split != "all":
             if self.split not in splits:  # a typo (`tset`) read as an empty split
-                raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self._name}; choose one of "
+                raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self.name}; choose one of "
                                       f"{splits + ['all']}")
             rows = rows.filter(lambda r: r["split"] == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
         conversations = [self._conversation(row, i) for i, row in enumerate(rows)]
         if not conversations:
-            raise SpecPolicyError(f"no prompts in {self._name} (split={self.split!r}); add rows or change data.split")
+            raise SpecPolicyError(f"no prompts in {self.name} (split={self.split!r}); add rows or change data.split")
         replied = sum(c[-1]["role"] == "assistant" for c in conversations)
         if replied:  # a chat data set's reference reply: the model is to write its own
             log.warning("%d of %d conversations in %s end with an assistant turn; decoding starts before it "
-                        "(the trailing assistant turns are dropped)", replied, len(conversations), self._name)
+                        "(the trailing assistant turns are dropped)", replied, len(conversations), self.name)
         return [_without_reply(c) for c in conversations]
 
     def _conversation(self, row: dict[str, Any], index: int) -> Conversation:
-        where = f"row {index} of {self._name}"
+        where = f"row {index} of {self.name}"
         turns = row.get("messages") or row.get("conversations")
         if turns:
             return _chat(turns, where)
@@ -92,7 +95,7 @@ class PromptSource:
         return bool(self.prompts_file) and self.splits is None
 
     @property
-    def _name(self) -> str:
+    def name(self) -> str:
         return self.prompts_file or self.hub_dataset or f"the embedded prompt set ({EMBEDDED.name})"
 
     @functools.cached_property
@@ -162,11 +165,35 @@ def without(conversations: list[Conversation], excluded: list[Conversation], sta
     """`conversations` minus those also in `excluded`, compared whole: a prompts file without a `split` column
     serves every split, so held-out prompts must be taken out of what trains by value. When any go, `stage`
     warns how many, then `dropped` (what they were and what becomes of them)."""
-    seen = {json.dumps(c) for c in excluded}
-    kept = [c for c in conversations if json.dumps(c) not in seen]
+    seen = {_digest(c) for c in excluded}
+    kept = [c for c in conversations if _digest(c) not in seen]
     if len(kept) < len(conversations):
         log.warning("%s: %d of %d %s", stage, len(conversations) - len(kept), len(conversations), dropped)
     return kept
+
+
+def digests_text(conversations: list[Conversation]) -> str:
+    """The `TRAINED_ON` file's text: a digest per prompt, so a model's folder says what it was trained on
+    without carrying the prompts, and `trained_on` knows them again whatever file, copy or split they come from."""
+    return json.dumps(sorted({_digest(c) for c in conversations}), indent=0)
+
+
+def trained_on(folder: str | Path, conversations: list[Conversation]) -> list[int]:
+    """Indices of the `conversations` that the model saved in `folder` was trained on; none where the folder
+    has no `TRAINED_ON` file (a model from elsewhere, or distilled before such files were written)."""
+    path = Path(folder).expanduser() / TRAINED_ON
+    if not path.is_file():
+        return []
+    try:
+        seen = set(json.loads(path.read_text()))
+    except (ValueError, TypeError) as err:  # written whole with the folder: a damaged or hand-edited file
+        raise SpecPolicyError(f"{path} is damaged ({err}); delete it to evaluate without the check that no "
+                              f"prompt was trained on, or train the model in {folder} again") from err
+    return [i for i, c in enumerate(conversations) if _digest(c) in seen]
+
+
+def _digest(conversation: Conversation) -> str:
+    return hashlib.sha256(json.dumps(conversation, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def encode_prompts(

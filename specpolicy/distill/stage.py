@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import model_identity, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
-from specpolicy.data import encode_fitting, without
+from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_fitting, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
@@ -42,6 +42,7 @@ from specpolicy.models.vocab import (
 
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
+HELD_OUT = ("validation", "test")
 # what a draft is made of: a change to any of these makes another draft (see `atomic.settings`)
 MADE_WITH = ["target", "draft", "distill", "data.prompts_file", "data.hub_dataset", "data.prompt_field", "trainer",
              "seed"]
@@ -135,7 +136,8 @@ def distil(cfg: DictConfig) -> None:
     if d.unroll and not fuses_features(draft.model):
         raise SpecPolicyError(f"distill.unroll={d.unroll}: it trains a feature-fusing draft on its own states; "
                               f"set draft_fuse_features=true, or distill.unroll=0")
-    datamodule = _datamodule(cfg, target, draft)
+    groups = _prompt_groups(cfg, target)
+    datamodule = _datamodule(cfg, target, draft, groups)
     vocab, full_head = _narrow_head(d, target, draft, datamodule)
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
@@ -161,7 +163,9 @@ def distil(cfg: DictConfig) -> None:
                "cost": draft.cost, "draft_vocab": None if vocab is None else len(vocab), "train_seconds": train_s,
                "steps": trainer.global_step, "trainable_parameters": trainable,
                "distill": OmegaConf.to_container(d, resolve=True)}
-    files = {"metrics.json": json.dumps(metrics, indent=2)}  # written with the folder, in one atomic save
+    trained_on = [c for name, conversations in groups.items() if name not in HELD_OUT for c in conversations]
+    # written with the folder, in one atomic save
+    files = {"metrics.json": json.dumps(metrics, indent=2), TRAINED_ON: digests_text(trained_on)}
     if vocab is not None:  # a standard HF folder with the full head, and the subset beside it
         restore_full_head(merged, full_head)
         files[VOCAB_FILE] = vocab_file_text(vocab)
@@ -190,7 +194,7 @@ def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -
     trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
                         logger=False, enable_checkpointing=False, enable_model_summary=False, inference_mode=False)
     return {"draft": draft.name, "target": target.name, "cost": draft.cost,
-            **_held_out(trainer, module, _datamodule(cfg, target, draft, train=False))}
+            **_held_out(trainer, module, _datamodule(cfg, target, draft, _prompt_groups(cfg, target, train=False)))}
 
 
 def _held_out(trainer: L.Trainer, module: DistillModule, datamodule: DistillDataModule) -> dict:
@@ -250,11 +254,11 @@ def _trainable(model, d: DictConfig):
     return model
 
 
-def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train: bool = True) -> DistillDataModule:
-    """The distillation data; with `train=False` only the held-out sets (nothing to generate for training)."""
+def _prompt_groups(cfg: DictConfig, target: LoadedModel, train: bool = True) -> dict[str, list[Conversation]]:
+    """The conversations distillation reads, by group: "validation", "test" (unless distill.data.test_prompts=0),
+    and with `train` the train split's prompts and each synthetic set, none of them a held-out prompt."""
     d = cfg.distill
     data = instantiate(d.data)
-    tokenizer = target.tokenizer
     groups = {split: instantiate(cfg.data, split=split, limit=limit).load()
               for split, limit in (("train", data.train_prompts), ("validation", data.val_prompts))
               if train or split != "train"}
@@ -263,18 +267,27 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, train:
             groups["test"] = instantiate(cfg.data, split="test", limit=data.test_prompts).load()
         except SpecPolicyError as err:
             raise SpecPolicyError(f"{err}; or set distill.data.test_prompts=0 to report no test metrics") from None
-    held_out = [c for split in ("validation", "test") for c in groups.get(split, ())]
+    held_out = [c for split in HELD_OUT for c in groups.get(split, ())]
     if train:  # before its first words open synthetic prompts
         _keep_apart(groups, "train", held_out)
     for name, synthesis in (d.get("synthetic") or {}).items() if train else ():  # written by the target
         if name in groups:
             raise SpecPolicyError(f"distill.synthetic.{name} clashes with the {name!r} prompts; rename the entry")
         synthesis = instantiate(synthesis)
-        groups[name] = synthesis.conversations(target.model, tokenizer, cfg.paths.cache_dir, groups["train"])
+        groups[name] = synthesis.conversations(target.model, target.tokenizer, cfg.paths.cache_dir, groups["train"])
         _keep_apart(groups, name, held_out)
     if train and not groups["train"]:
         raise SpecPolicyError("every train prompt is also a validation or test prompt (a prompts file without a "
                               "`split` column serves every split); give its rows a `split`: train, validation or test")
+    return groups
+
+
+def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel,
+                groups: dict[str, list[Conversation]]) -> DistillDataModule:
+    """The distillation data of `_prompt_groups`; without training groups only the held-out sets."""
+    d = cfg.distill
+    data = instantiate(d.data)
+    tokenizer = target.tokenizer
     room = target.context_length - data.max_new_tokens
     limit = (f"distill.max_length={d.max_length}" if d.max_length <= room else
              f"the target's context of {target.context_length} less distill.data.max_new_tokens")
