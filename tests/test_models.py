@@ -51,12 +51,30 @@ def test_hf_folder_round_trip(tiny_model, model_type: str, tmp_path: Path) -> No
     "path,message",
     [("./no/such/model", "model path './no/such/model' does not exist"),
      ("missing.gguf", "GGUF file 'missing.gguf' does not exist"),
-     ("package:no_such_pkg/x.gguf", "package 'no_such_pkg' is not installed"),
-     ("gpt2", "cannot load model 'gpt2': not a local HF folder, and the hub could not provide it")],  # owner-less id
+     ("package:no_such_pkg/x.gguf", "package 'no_such_pkg' is not installed")],
 )
 def test_missing_sources_name_the_fix(path: str, message: str) -> None:
     with pytest.raises(SpecPolicyError, match=message):
         PretrainedSource(path=path, device="cpu", cache_dir="/tmp").load()
+
+
+def test_a_hub_id_without_a_hub_loads_from_the_hub_cache_or_says_so(target, tmp_path: Path, monkeypatch) -> None:
+    """Where the hub cannot be reached, a hub id failed only after huggingface_hub's ~50 s of retries, and a model
+    in the local hub cache was not used; now the cache serves it, and a model not in it is named at once."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused at once
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = tmp_path / "models--someone--tiny" / "snapshots" / "0123abc"
+    save_model(snapshot, target.model, target.tokenizer)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
+    loaded = PretrainedSource(path="someone/tiny", device="cpu").load()
+    assert loaded.model.config.num_hidden_layers == TINY["num_hidden_layers"]
+    for hub_id in ("someone/other", "gpt2"):  # an owner-less id too
+        with pytest.raises(SpecPolicyError, match=f"cannot load model '{hub_id}': it is not a local folder, the hub "
+                                                  f"\\(127.0.0.1\\) cannot be reached .*hf download {hub_id}"):
+            PretrainedSource(path=hub_id, device="cpu").load()
 
 
 @pytest.mark.parametrize("config, message", [

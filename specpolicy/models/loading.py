@@ -15,10 +15,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import socket
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -217,15 +219,20 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         # transformers builds an empty tokenizer for it, and every prompt encodes to nothing
         raise SpecPolicyError(f"the model folder {path!r} has no tokenizer files (tokenizer.json, ...); save the "
                               f"model's tokenizer into it with tokenizer.save_pretrained({path!r})")
+    offline = not folder.is_dir() and not hub_reachable()  # the local hub cache, or a clear error now
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=offline)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=offline)
         load_fusion(model, path)  # a feature-fusing draft's extra layer (models.fusion)
     except (OSError, ValueError, SafetensorError) as err:  # a folder or hub id it cannot read; cut-short weights
         problem = " ".join(str(err).split())
         if folder.is_dir():
             raise SpecPolicyError(f"cannot load the HF model folder {path!r}: {problem}; check it holds the config, "
                                   f"weights and tokenizer that save_pretrained writes") from err
+        if offline:
+            raise SpecPolicyError(f"cannot load model {path!r}: it is not a local folder, the hub ({_hub()[0]}) cannot "
+                                  f"be reached from this machine, and the local hub cache does not hold it; download "
+                                  f"it where there is network (`hf download {path}`) or point at a local folder") from err
         raise SpecPolicyError(
             f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
             f"(offline, or a typo?); download it first or point at a local folder ({err.__class__.__name__})"
@@ -235,6 +242,23 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         raise SpecPolicyError(f"the tokenizer at {path!r} has {len(tokenizer)} tokens but the model embeds {rows}: "
                               f"they do not belong together; save the model's own tokenizer beside it")
     return model, tokenizer
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host accepts a connection: where it cannot be reached, huggingface_hub retried every
+    request for ~50 s before a hub id failed, and models in the local hub cache load only with local_files_only."""
+    try:
+        socket.create_connection(_hub(), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub() -> tuple[str, int]:
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    return url.hostname, url.port or (443 if url.scheme == "https" else 80)
 
 
 @dataclass
