@@ -136,11 +136,14 @@ def test_bad_dtype_and_device_are_refused_before_loading() -> None:
         PretrainedSource(path="x", device="mps").load()  # a device torch knows, but the engine cannot time
 
 
-def test_layer_subset_draft(target) -> None:
+def test_layer_subset_draft(target, caplog) -> None:
     full = LayerSubsetDraft(layers=[0, 1, 2, 3]).build(target)
     ids = torch.tensor([[4, 5, 6, 7]])
     assert torch.allclose(full.model(ids).logits, target.model(ids).logits)
+    assert "takes as many layers as the target has (4)" in caplog.text  # the default draft of a 4-layer target
+    caplog.clear()
     ends = LayerSubsetDraft(layers=[0, -1]).build(target)
+    assert "takes as many layers" not in caplog.text
     assert ends.model.config.num_hidden_layers == 2
     assert torch.equal(ends.model.model.layers[1].mlp.up_proj.weight, target.model.model.layers[3].mlp.up_proj.weight)
     with pytest.raises(SpecPolicyError, match="indexes outside the target's 4 layers"):

@@ -83,6 +83,10 @@ class LayerSubsetDraft:
             attach_fusion(draft)
         draft.eval().requires_grad_(False)
         indices = [i % n for i in self.layers]
+        if len(indices) >= n:  # e.g. the default four layers of a four-layer target
+            log.warning("draft.layers=%s takes as many layers as the target has (%d): the draft costs what the target "
+                        "does, and speculating with it cannot pay; list fewer (e.g. draft_layers=[0,-1])",
+                        list(self.layers), n)
         kind = "fused" if self.fuse_features else "layers"
         built = LoadedModel(draft, target.tokenizer, f"{target.name}-{kind}{'_'.join(map(str, indices))}")
         built.cost = describe_cost(target, built)
