@@ -103,7 +103,7 @@ def check_collect(cfg: DictConfig) -> None:
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
     for setting in ("k", "min_prompts_per_size", "max_new_tokens"):
         check_count(f"collect.{setting}", cfg.collect[setting])
-    _not_evaluated(cfg, instantiate(cfg.data, split="train", limit=None).load())
+    _not_evaluated(cfg, instantiate(cfg.data, split="train", limit=None).load(), warn=False)  # collect warns
 
 
 def check_head(cfg: DictConfig) -> None:
@@ -169,11 +169,11 @@ def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
     return conversations
 
 
-def _not_evaluated(cfg: DictConfig, conversations: list) -> list:
+def _not_evaluated(cfg: DictConfig, conversations: list, warn: bool = True) -> list:
     """Without the prompts evaluate.py decodes (`data` as configured): a prompts file without a `split` column
     serves every split, and a head trained on the evaluation's own sequences would be scored on them."""
     kept = without(conversations, instantiate(cfg.data, limit=None).load(),
-                   "collect", "rollout prompts are evaluation prompts; not decoded")
+                   "collect", "rollout prompts are evaluation prompts; not decoded" if warn else None)
     if not kept:
         raise SpecPolicyError(f"every rollout prompt is also an evaluation prompt (data.split={cfg.data.split}; a "
                               f"prompts file without a `split` column is every split); give its rows a `split`: "

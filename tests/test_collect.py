@@ -43,6 +43,9 @@ def test_collect_never_decodes_the_evaluation_prompts(tmp_path, caplog):
 
     train = instantiate(cfg.data, split="train").load()
     with caplog.at_level(logging.WARNING, logger="specpolicy"):
+        assert _not_evaluated(cfg, train, warn=False) == train[:1]
+    assert not caplog.text  # check_collect, before the stages run: the stage itself says it, once
+    with caplog.at_level(logging.WARNING, logger="specpolicy"):
         assert _not_evaluated(cfg, train) == train[:1]
     assert "1 of 2 rollout prompts are evaluation prompts" in caplog.text
     cfg = data([{"prompt": p} for p in "abc"])

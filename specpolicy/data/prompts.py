@@ -161,13 +161,13 @@ def _without_reply(conversation: Conversation) -> Conversation:
 
 
 def without(conversations: list[Conversation], excluded: list[Conversation], stage: str,
-            dropped: str) -> list[Conversation]:
+            dropped: str | None) -> list[Conversation]:
     """`conversations` minus those also in `excluded`, compared whole: a prompts file without a `split` column
     serves every split, so held-out prompts must be taken out of what trains by value. When any go, `stage`
-    warns how many, then `dropped` (what they were and what becomes of them)."""
+    warns how many, then `dropped` (what they were and what becomes of them); None: a check, which says nothing."""
     seen = {_digest(c) for c in excluded}
     kept = [c for c in conversations if _digest(c) not in seen]
-    if len(kept) < len(conversations):
+    if dropped is not None and len(kept) < len(conversations):
         log.warning("%s: %d of %d %s", stage, len(conversations) - len(kept), len(conversations), dropped)
     return kept
 
