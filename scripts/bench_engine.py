@@ -1,4 +1,5 @@
-"""Benchmark: `python scripts/bench_engine.py experiment=smollm2_135m [runtime.dtype=bfloat16]`.
+"""Benchmark: `python scripts/bench_engine.py experiment=smollm2_135m draft=distilled [runtime.dtype=bfloat16]`
+(the README's tables; the default draft is an undistilled subset of the target's layers).
 
 Prints and saves JSON with, side by side in one process, interleaved over `bench.repeats` rounds:
   * the engine's `ar` vs `model.generate` tokens/s at each batch size (the baseline must be honest);
@@ -6,8 +7,10 @@ Prints and saves JSON with, side by side in one process, interleaved over `bench
     `ar`; a draft that fuses the target's features has no assisted generation to compare with).
 Every decoder is warmed up at every batch size, the decoders take turns on each batch in an order that rotates
 from batch to batch and round to round (as evaluate does), and only full batches are timed. Each ratio is
-measured within every round and reported as the median over rounds with its range: on a shared machine a slow
-spell hits one round, and a ratio of two totals would still carry it.
+measured within every round and reported as the geometric mean over rounds with its range, and so is each
+tokens/s: a ratio is then exactly the quotient of the two speeds printed beside it. (The median did not keep
+them consistent, and over the usual two rounds it is their mean, which a noisy round pulls on the ratio and its
+inverse alike, so both read above 1.)
 """
 
 import os
@@ -65,7 +68,7 @@ def bench(cfg: DictConfig) -> None:
                     tokens, wall = rounds[-1].get(name, (0, 0.0))
                     rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
     per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
-    rates = {name: statistics.median(r[name] for r in per_round) for name in per_round[0]}
+    rates = {name: statistics.geometric_mean(r[name] for r in per_round) for name in per_round[0]}
     pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in batch_sizes}
     pairs.update({f"engine_static_k{k}_vs_hf_assisted@1": (f"engine_static_k{k}@1", f"hf_assisted_k{k}@1")
                   for k in cfg.bench.ks if assisted})
@@ -74,10 +77,11 @@ def bench(cfg: DictConfig) -> None:
     ratios, ranges = {}, {}
     for key, (a, b) in pairs.items():
         within = [r[a] / r[b] for r in per_round]
-        ratios[key], ranges[key] = statistics.median(within), [min(within), max(within)]
+        ratios[key], ranges[key] = statistics.geometric_mean(within), [min(within), max(within)]
     report = {"target": target.name, "draft": draft.name, "device": str(engine.device), "dtype": cfg.runtime.dtype,
               "skinny_gemm": cfg.runtime.skinny_gemm, "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
-              "repeats": cfg.bench.repeats, "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges}
+              "repeats": cfg.bench.repeats, "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges,
+              "ratio_of": {key: list(pair) for key, pair in pairs.items()}}  # which two tokens_per_s each divides
     if assisted:
         report["assisted_settings"] = {k: assisted_settings(k) for k in cfg.bench.ks}
     publish(report, cfg.bench.out)

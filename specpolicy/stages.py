@@ -72,6 +72,7 @@ def profile(cfg: DictConfig) -> None:
     p = cfg.profile
     rows, tokens = check_profile(cfg)
     target, draft = load_pair(cfg, cfg.trained_draft)
+    check_grid_fits(p, target)
     latency = measure(target.model, draft.model, rows, tokens, p.context, p.repeats, cfg.runtime.dtype)
     if p.overhead_steps:
         latency.draft_step_overhead_ms = drafting_overhead(target.model, draft.model, latency, p.overhead_steps,
@@ -81,6 +82,14 @@ def profile(cfg: DictConfig) -> None:
     latency.save(out)
     record(out, made_with)
     log.info("profile: saved %s", out)
+
+
+def check_grid_fits(p: DictConfig, target: LoadedModel) -> None:
+    """The grid's positions exist in the target: a RoPE model computes past its context without a word, so a
+    profile there timed positions that decoding never reaches."""
+    if p.context + max(p.tokens) > target.context_length:
+        raise SpecPolicyError(f"profile.context={p.context} plus {max(p.tokens)} new tokens (profile.tokens) exceeds "
+                              f"the target's context of {target.context_length}; lower profile.context")
 
 
 def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:

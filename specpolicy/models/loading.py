@@ -232,7 +232,8 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         if offline:
             raise SpecPolicyError(f"cannot load model {path!r}: it is not a local folder, the hub ({_hub()[0]}) cannot "
                                   f"be reached from this machine, and the local hub cache does not hold it; download "
-                                  f"it where there is network (`hf download {path}`) or point at a local folder") from err
+                                  f"it where there is network (`hf download {path}`) or point at a local "
+                                  f"folder") from err
         raise SpecPolicyError(
             f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
             f"(offline, or a typo?); download it first or point at a local folder ({err.__class__.__name__})"
