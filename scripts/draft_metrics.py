@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpolicy.atomic import atomic_path
-from specpolicy.cli import entry
+from specpolicy.cli import entry, per_job
 from specpolicy.data import encode_prompts
 from specpolicy.decode.engine import check_settings
 from specpolicy.decode.stats import DecodeStats
@@ -57,7 +57,7 @@ def report(cfg: DictConfig) -> None:
     target, draft = saved_pair(cfg)
     text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft)}, indent=2)
     print(text)
-    with atomic_path(Path(cfg.paths.experiment_dir) / "draft_held_out.json") as tmp:
+    with atomic_path(per_job(cfg.paths.experiment_dir) / "draft_held_out.json") as tmp:
         tmp.write_text(text)
 
 

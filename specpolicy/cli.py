@@ -180,8 +180,17 @@ def experiment_logger(cfg: DictConfig, stage: str | None = None) -> Logger | Non
 
 
 def publish(report: dict, out: str | Path) -> None:
-    """Save a benchmark's JSON report at `out` (all or nothing: a killed run leaves the previous one) and print it."""
+    """Save a benchmark's JSON report at `out` (all or nothing: a killed run leaves the previous one; a multirun
+    job's in a folder of its own, `per_job`) and print it."""
     text = json.dumps(report, indent=2)
-    with atomic_path(out) as tmp:
+    with atomic_path(per_job(Path(out).parent) / Path(out).name) as tmp:
         tmp.write_text(text)
     print(text)
+
+
+def per_job(folder: str | Path) -> Path:
+    """`folder`, or in a Hydra multirun a folder in it named after the job's number: every job of an evaluate
+    or benchmark sweep (`-m 'eval.batch_sizes=[1],[8]'`) wrote its report over the one before."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(folder) / str(HydraConfig.get().job.num)
+    return Path(folder)

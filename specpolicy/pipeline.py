@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig
 
 from specpolicy import stages
 from specpolicy.atomic import made_for, model_identity, settings
-from specpolicy.cli import experiment_logger
+from specpolicy.cli import experiment_logger, per_job
 from specpolicy.cost.profile import device_name, profile_file
 from specpolicy.data import Conversation, PromptSource, encode_prompts, trained_on
 from specpolicy.decode import Engine
@@ -111,7 +111,7 @@ def evaluate(cfg: DictConfig) -> None:
             "draft": draft.name, "dtype": cfg.runtime.dtype, "temperature": engine.temperature,
             "max_new_tokens": engine.max_new_tokens, "num_prompts": len(prompts),
             "date": datetime.now().isoformat(timespec="seconds")}
-    report = write_report(cfg.eval.out_dir, meta, rows, outputs, logger)
+    report = write_report(per_job(cfg.eval.out_dir), meta, rows, outputs, logger)
     if logger is not None:
         logger.experiment.finish()
     print(report.read_text().split("![")[0])

@@ -171,6 +171,17 @@ def test_the_readme_multirun_gives_each_job_its_own_experiment(tmp_path: Path) -
     assert len(list((tmp_path / "multirun" / "train").glob("*/multirun.yaml"))) == 1
 
 
+def test_each_job_of_an_evaluate_multirun_writes_its_own_report(tmp_path: Path) -> None:
+    """The jobs of `-m 'eval.batch_sizes=[1],[2]'` shared eval.out_dir, and each wrote its report over the last."""
+    proc = run("evaluate.py", "hydra.mode=MULTIRUN", "experiment=tiny", "debug=fast", "draft=layers",
+               "eval.policies.goodput=null", "eval.policies.learned=null", "eval.hf_baselines=false",
+               "eval.num_prompts=2", "eval.batch_sizes=[1],[2]", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job, batch_size in (("0", 1), ("1", 2)):
+        report = json.loads((tmp_path / "tiny" / "report" / job / "report.json").read_text())
+        assert {r["batch_size"] for r in report["runs"]} == {batch_size}
+
+
 def test_a_multirun_job_with_bad_input_does_not_stop_the_sweep(tmp_path: Path) -> None:
     """Job 0's sys.exit(2) ended the whole multirun (SystemExit escapes Hydra's job handler): job 1 never ran."""
     proc = run("train.py", "hydra.mode=MULTIRUN", "experiment=tiny", "debug=fast", "stages=[distil]",
