@@ -30,6 +30,7 @@ INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was 
                "evaluate.py and the benchmarks start over)")
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 FAILED_JOBS: list[str] = []  # a multirun's jobs that stopped on bad input (`FailedJobs`)
 
 
@@ -42,6 +43,7 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         check_set(cfg)
+        check_logger(cfg)
         return task(cfg)
     except (SpecPolicyError, InstantiationException) as err:
         problem = bad_input(err)
@@ -156,6 +158,16 @@ def library_refusal(err: BaseException, key: re.Match | None) -> str | None:
     return f"{key.group(1)}: {target.group(1)} refused its settings: {type(err.__cause__).__name__}: {why}"
 
 
+def check_logger(cfg: DictConfig | Any) -> None:
+    """A WANDB_MODE that wandb does not know stopped a run's first logging stage in pydantic's traceback, after
+    the stages before it (profile, collect) had run."""
+    mode = os.environ.get("WANDB_MODE")
+    logs = isinstance(cfg, DictConfig) and cfg.get("logger") and cfg.logger.get("_target_")
+    if logs and mode not in (None, *WANDB_MODES):
+        raise SpecPolicyError(f"WANDB_MODE={mode!r} is not a wandb mode; set it to one of {list(WANDB_MODES)}, or "
+                              f"unset it to log offline")
+
+
 def experiment_logger(cfg: DictConfig, stage: str | None = None) -> Logger | None:
     """The configured Lightning logger (None for `logger=none`), its run started here: wandb told to go online
     without a key fails now, in one line, not in a traceback after the work it was to log. Each call starts a
@@ -171,11 +183,19 @@ def experiment_logger(cfg: DictConfig, stage: str | None = None) -> Logger | Non
     try:
         logger.experiment
     except Exception as err:
-        if not type(err).__module__.startswith("wandb"):
+        if not (isinstance(err, TypeError) or type(err).__module__.startswith("wandb")):  # TypeError: a logger.* key
             raise
         why = " ".join(str(err).split())
-        raise SpecPolicyError(f"logger: wandb could not start a run ({type(err).__name__}: {why}); run `wandb login` "
-                              f"or set WANDB_API_KEY, or unset WANDB_MODE to log offline") from err
+        if "api key" in why.lower():
+            fix = "run `wandb login` or set WANDB_API_KEY"
+        elif type(err).__name__ == "CommError":
+            fix = "check the network to wandb's server"
+        else:
+            fix = "fix the logger.* settings (conf/logger/)"
+        raise SpecPolicyError(f"logger: wandb could not start a run ({type(err).__name__}: {why}); {fix}, or unset "
+                              f"WANDB_MODE to log offline") from err
+    # the run's config: without it, runs of a sweep (or the stages of one experiment) could not be told apart
+    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return logger
 
 

@@ -267,8 +267,23 @@ def test_each_stage_logs_to_a_wandb_run_of_its_own(tmp_path: Path, monkeypatch) 
     try:
         assert distil.experiment.id != head.experiment.id
         assert (distil.experiment.name, head.experiment.name) == ("tiny-train-distil", "tiny-train-head")
+        assert head.experiment.group == "tiny"  # an experiment's runs together
+        config = head.experiment.config  # runs of a sweep told apart by their settings (their config was empty)
+        assert config["experiment_name"] == "tiny" and config["head"]["hidden"] == cfg.head.hidden
     finally:
         head.experiment.finish()
+    bad = compose_config("train", ["experiment=tiny", "logger=wandb", "+logger.colour=red"], tmp_path)
+    refusal = r"logger: wandb could not start a run \(TypeError: .*colour.*\); fix the logger.\* settings"
+    with pytest.raises(errors.SpecPolicyError, match=refusal):  # was a TypeError traceback
+        experiment_logger(bad, "distil")
+
+
+def test_a_wandb_mode_wandb_does_not_know_stops_before_the_first_stage(tmp_path: Path) -> None:
+    """It stopped the first stage that logs in pydantic's traceback, after the stages before it had run."""
+    proc = run("train.py", "experiment=tiny", "debug=fast", "logger=wandb", "stages=[profile,head]",
+               tmp_path=tmp_path, env={"WANDB_MODE": "offlin"})
+    assert_clean_error(proc, "WANDB_MODE='offlin' is not a wandb mode; set it to one of ['online', 'offline'")
+    assert not (tmp_path / "tiny" / "profile").exists()
 
 
 def test_ctrl_c_is_one_line_on_what_was_kept() -> None:

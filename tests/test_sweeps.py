@@ -16,6 +16,7 @@ SWEEPS = sorted((CONF / "sweep").glob("*.yaml"))
 def overrides(sweep: Path) -> list[str]:
     spec = yaml.safe_load(sweep.read_text())
     assert spec["program"] == "scripts/train.py" and "${args_no_hyphens}" in spec["command"]
+    assert spec["project"] == "specpolicy"  # the logger's project; a sweep's runs go to the sweep's
     out = []
     for name, param in spec["parameters"].items():
         if "value" in param:
