@@ -45,11 +45,14 @@ COMMON = [  # short runs sized for a shared 2-core CPU; see the README for what 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--losses", nargs="+", default=LOSSES, choices=sorted(p.stem for p in LOSS_DIR.glob("*.yaml")))
-    parser.add_argument("--out", default=str(ROOT / "checkpoints" / "bench"))
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant")
+    parser.add_argument("--steps", type=int, default=60, help="training steps of every variant (default: 60)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="draft shapes to distil (default: all)")
+    parser.add_argument("--losses", nargs="+", default=LOSSES, choices=sorted(p.stem for p in LOSS_DIR.glob("*.yaml")),
+                        help=f"divergences, from conf/distill/loss/ (default: {' '.join(LOSSES)})")
+    parser.add_argument("--out", default=str(ROOT / "checkpoints" / "bench"),
+                        help="folder for distill.json, distill.md and runs/ (default: checkpoints/bench)")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant, before the flags")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     entry(bench, args)  # a bad setting (--steps 0, a bad override) is one line, as in the pipeline's scripts
@@ -57,6 +60,9 @@ def main() -> None:
 
 def bench(args: argparse.Namespace) -> None:
     check_count("--steps", args.steps)
+    if any(o.lstrip("+~").split("=")[0] == "trainer.max_steps" for o in args.overrides):  # named runs a step count
+        raise SpecPolicyError("set the training steps with --steps, not trainer.max_steps (each run's folder and "
+                              "table row are named after --steps)")
     out, run_dir = Path(args.out), Path(args.out) / "runs"
     variants = [(shape, loss, f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}")
                 for shape in args.shapes for loss in args.losses]

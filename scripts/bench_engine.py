@@ -13,6 +13,7 @@ them consistent, and over the usual two rounds it is their mean, which a noisy r
 inverse alike, so both read above 1.)
 """
 
+import logging
 import os
 import statistics
 from functools import partial
@@ -35,6 +36,7 @@ from specpolicy.policy import ArPolicy, DepthPolicy, StaticPolicy
 from specpolicy.stages import load_pair
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
+log = logging.getLogger("specpolicy")
 
 
 def bench(cfg: DictConfig) -> None:
@@ -53,6 +55,9 @@ def bench(cfg: DictConfig) -> None:
     batch_sizes = fitting_batch_sizes("bench.batch_sizes", cfg.bench.batch_sizes, len(prompts),
                                       "raise bench.num_prompts or data.limit")
     assisted = not fuses_features(draft.model)
+    if not assisted:
+        log.warning("bench_engine: %s reads the target's features, which transformers' assisted generation cannot "
+                    "pass it: static k is compared with the engine's ar only", draft.name)
     groups = _decoders(cfg, engine, target, draft, batch_sizes, assisted)
     rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
     batches = {bs: full_batches(prompts, bs, "bench.num_prompts") for bs in groups}  # once: it warns per size

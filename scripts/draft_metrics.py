@@ -46,9 +46,9 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size
             "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
             "mean_accepted": total.mean_accepted,  # tau: per row and verify step
             **{name: getattr(total, name).tolist() for name in ("drafted_at", "reached_at", "accepted_at")},
-            # P(position i accepted | the draft proposed it and the target kept positions 1..i-1)
-            "conditional_at": [round(a / max(r, 1), 4) for a, r in zip(total.accepted_at.tolist(),
-                                                                        total.reached_at.tolist())]}
+            # P(position i accepted | the draft proposed it and the target kept positions 1..i-1); null: never reached
+            "conditional_at": [round(a / r, 4) if r else None for a, r in zip(total.accepted_at.tolist(),
+                                                                              total.reached_at.tolist())]}
 
 
 def report(cfg: DictConfig) -> None:

@@ -139,6 +139,7 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
         assert got["expected_acceptance"] == pytest.approx(want["expected_acceptance"], abs=1e-5)
     decoded = measured["decoded"]  # static depth 4: the engine's counts per draft position
     assert len(decoded["conditional_at"]) == decoded["depth"] == 4 and decoded["reached_at"][0] > 0
+    assert all((c is None) == (r == 0) for c, r in zip(decoded["conditional_at"], decoded["reached_at"]))  # not 0.0
     assert all(a <= r <= d for a, r, d in zip(decoded["accepted_at"], decoded["reached_at"], decoded["drafted_at"]))
     assert all(r <= a for r, a in zip(decoded["reached_at"][1:], decoded["accepted_at"]))  # i reached: i-1 kept
     no_depth = run("draft_metrics.py", "experiment=tiny", "debug=fast", "+decode_depth=0", tmp_path=tmp_path)
@@ -169,6 +170,14 @@ def test_the_readme_multirun_gives_each_job_its_own_experiment(tmp_path: Path) -
     for job in ("0", "1"):
         assert (tmp_path / "sweep" / job / "draft" / "metrics.json").exists(), job
     assert len(list((tmp_path / "multirun" / "train").glob("*/multirun.yaml"))) == 1
+
+
+def test_a_missing_pretrained_draft_names_the_key_of_the_script(tmp_path: Path) -> None:
+    """draft_metrics reads `trained_draft`: the fix named target.path or draft.source.path, which it ignores."""
+    proc = run("draft_metrics.py", "experiment=tiny", "debug=fast", "draft@trained_draft=pretrained",
+               f"trained_draft.source.path={tmp_path / 'nothere'}", tmp_path=tmp_path)
+    assert_clean_error(proc, "does not exist; point draft.source.path (for train.py's later stages and "
+                             "draft_metrics.py: trained_draft.source.path)")
 
 
 def test_each_job_of_an_evaluate_multirun_writes_its_own_report(tmp_path: Path) -> None:
@@ -217,7 +226,9 @@ def test_skinny_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
                                            (["--losses", "tvd", "distill.temperature=2"],
                                             "invalid choice: 'distill.temperature=2' (choose from"),
                                            (["engine.max_new_token=5"],  # a typo: Hydra's composition traceback
-                                            "error: Could not override 'engine.max_new_token'")])
+                                            "error: Could not override 'engine.max_new_token'"),
+                                           (["trainer.max_steps=4"],  # trained 4 steps in a run named for --steps
+                                            "set the training steps with --steps, not trainer.max_steps")])
 def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: str, tmp_path: Path) -> None:
     """It calls the distil stage directly, outside the pipeline's script: its errors were tracebacks."""
     assert_clean_error(run("bench_distill.py", *args, "--out", str(tmp_path), tmp_path=tmp_path), message)
