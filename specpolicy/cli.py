@@ -30,6 +30,7 @@ INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was 
                "evaluate.py and the benchmarks start over)")
 
 
+RUN_ID = "wandb_run_id.txt"  # beside a training stage's checkpoints: the wandb run a resumed training logs into
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 FAILED_JOBS: list[str] = []  # a multirun's jobs that stopped on bad input (`FailedJobs`)
 
@@ -168,18 +169,26 @@ def check_logger(cfg: DictConfig | Any) -> None:
                               f"unset it to log offline")
 
 
-def experiment_logger(cfg: DictConfig, stage: str | None = None) -> Logger | None:
+def experiment_logger(cfg: DictConfig, stage: str | None = None, checkpoints: str | Path | None = None,
+                      ckpt_path: str | None = None) -> Logger | None:
     """The configured Lightning logger (None for `logger=none`), its run started here: wandb told to go online
     without a key fails now, in one line, not in a traceback after the work it was to log. Each call starts a
     run of its own, named after `stage` too: Lightning's WandbLogger joins the active run, so the head's
-    `val/loss` went into the distil run's curve, and every job of a multirun into the first job's run."""
+    `val/loss` went into the distil run's curve, and every job of a multirun into the first job's run. A
+    training resumed from the last.ckpt in its `checkpoints` folder (`ckpt_path=last`) logs on into the wandb
+    run it started (`RUN_ID`), where a killed run and its resumption were two runs of one name."""
     if not cfg.get("logger") or not cfg.logger.get("_target_"):
         return None
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish()
     name = cfg.logger.get("name")
-    logger = instantiate(cfg.logger, **({"name": f"{name}-{stage}"} if stage and name else {}))
+    extra: dict[str, Any] = {"name": f"{name}-{stage}"} if stage and name else {}
+    run_file = Path(checkpoints) / RUN_ID if checkpoints else None
+    resumes = ckpt_path == "last" and run_file is not None and (run_file.parent / "last.ckpt").exists()
+    if resumes and run_file.is_file() and str(cfg.logger._target_).endswith("WandbLogger"):
+        extra |= {"id": run_file.read_text().strip(), "resume": "allow"}
+    logger = instantiate(cfg.logger, **extra)
     try:
         logger.experiment
     except Exception as err:
@@ -196,6 +205,10 @@ def experiment_logger(cfg: DictConfig, stage: str | None = None) -> Logger | Non
                               f"WANDB_MODE to log offline") from err
     # the run's config: without it, runs of a sweep (or the stages of one experiment) could not be told apart
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    run_id = getattr(logger.experiment, "id", None)  # not a string on a DDP rank other than 0
+    if run_file is not None and isinstance(run_id, str):
+        with atomic_path(run_file) as tmp:
+            tmp.write_text(run_id)
     return logger
 
 

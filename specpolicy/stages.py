@@ -209,7 +209,8 @@ def head(cfg: DictConfig) -> None:
     prior = float(rollouts["accepted"].float()[first].mean()) if bool(first.any()) else 0.5
     config = HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior, positions=int(position.max()))
     module = HeadModule(config, lr=h.lr)
-    trainer = instantiate(h.trainer, logger=experiment_logger(cfg, "head") or False)
+    checkpoints = next((c.dirpath for c in h.trainer.get("callbacks") or [] if c.get("dirpath")), None)
+    trainer = instantiate(h.trainer, logger=experiment_logger(cfg, "head", checkpoints, h.ckpt_path) or False)
     resumable("head", trainer, h.ckpt_path, made_with)
     run_trainer(trainer, "fit", module, datamodule=data, ckpt_path=h.ckpt_path)
     module.head.save(out)

@@ -289,6 +289,21 @@ def test_each_stage_logs_to_a_wandb_run_of_its_own(tmp_path: Path, monkeypatch) 
         experiment_logger(bad, "distil")
 
 
+def test_a_resumed_training_logs_on_into_its_wandb_run(tmp_path: Path, monkeypatch) -> None:
+    """A killed distillation resumed from last.ckpt logged into a new wandb run of the same name."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_config("train", ["experiment=tiny", "logger=wandb"], tmp_path)
+    folder = tmp_path / "checkpoints"
+    first = experiment_logger(cfg, "distil", folder, "last").experiment.id
+    (folder / "last.ckpt").write_bytes(b"")  # what the killed run left
+    resumed = experiment_logger(cfg, "distil", folder, "last")
+    try:
+        assert resumed.experiment.id == first
+        assert experiment_logger(cfg, "distil", folder, None).experiment.id != first  # ckpt_path=null starts over
+    finally:
+        sys.modules["wandb"].finish()
+
+
 def test_a_wandb_mode_wandb_does_not_know_stops_before_the_first_stage(tmp_path: Path) -> None:
     """It stopped the first stage that logs in pydantic's traceback, after the stages before it had run."""
     proc = run("train.py", "experiment=tiny", "debug=fast", "logger=wandb", "stages=[profile,head]",

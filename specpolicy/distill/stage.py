@@ -309,7 +309,8 @@ def _keep_apart(groups: dict[str, list], name: str, held_out: list) -> None:
 
 def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c] + list(extra)
-    logger = experiment_logger(cfg, "distil") or False
+    checkpoints = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath")
+    logger = experiment_logger(cfg, "distil", checkpoints, cfg.distill.ckpt_path) or False
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
     return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
