@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,30 @@ def test_hf_folder_round_trip(tiny_model, model_type: str, tmp_path: Path) -> No
 def test_missing_sources_name_the_fix(path: str, message: str) -> None:
     with pytest.raises(SpecPolicyError, match=message):
         PretrainedSource(path=path, device="cpu", cache_dir="/tmp").load()
+
+
+def test_a_peft_adapter_folder_loads_merged_into_its_base_model(target, tmp_path: Path) -> None:
+    """What LoRA training saves (adapter_config.json, no config.json) was refused as "not an HF model folder"."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    save_model(tmp_path / "base", target.model, target.tokenizer)
+    base = PretrainedSource(path=str(tmp_path / "base"), device="cpu").load().model
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:  # zero at init: the adapter would change nothing
+                param.normal_(std=0.05)
+    adapted.save_pretrained(tmp_path / "adapter")
+    loaded = PretrainedSource(path=str(tmp_path / "adapter"), device="cpu").load()
+    assert not isinstance(loaded.model, PeftModel) and len(loaded.tokenizer) == len(target.tokenizer)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(loaded.model(ids).logits, target.model(ids).logits, atol=1e-3)
+    shutil.rmtree(tmp_path / "base")
+    with pytest.raises(SpecPolicyError, match=r"the peft adapter at .* is for the base model .*base': model path .* "
+                                              r"does not exist"):
+        PretrainedSource(path=str(tmp_path / "adapter"), device="cpu").load()
 
 
 def test_a_hub_id_without_a_hub_loads_from_the_hub_cache_or_says_so(target, tmp_path: Path, monkeypatch) -> None:

@@ -205,6 +205,7 @@ def save_model(out: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTok
             (tmp / name).write_text(text)
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter folder, loaded onto its base model (`_merged_adapter`)
 # what tokenizer.save_pretrained writes, for one kind of tokenizer or another
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -212,6 +213,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     folder = Path(path)
+    if folder.is_dir() and not (folder / "config.json").exists() and (folder / ADAPTER_CONFIG).exists():
+        return _merged_adapter(folder)
     if folder.is_dir() and not (folder / "config.json").exists():
         raise SpecPolicyError(f"{path!r} is a folder but not an HF model folder (it has no config.json); point at the "
                               f"folder that save_pretrained wrote (config, weights and tokenizer)")
@@ -243,6 +246,26 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         raise SpecPolicyError(f"the tokenizer at {path!r} has {len(tokenizer)} tokens but the model embeds {rows}: "
                               f"they do not belong together; save the model's own tokenizer beside it")
     return model, tokenizer
+
+
+def _merged_adapter(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A peft adapter folder (what LoRA training saves; it was refused as a folder without config.json): the base
+    model it names with the adapter merged in, so it decodes at the base model's cost; with the adapter folder's
+    tokenizer where it has one, else the base model's."""
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+    if not base:
+        raise SpecPolicyError(f"the peft adapter at {str(folder)!r} names no base model (base_model_name_or_path in "
+                              f"{ADAPTER_CONFIG}); set it, or merge the adapter and save the merged model")
+    try:
+        model, tokenizer = _from_pretrained(str(PretrainedSource(path=base)._resolve()))  # a typo'd local path too
+    except SpecPolicyError as err:
+        raise SpecPolicyError(f"the peft adapter at {str(folder)!r} is for the base model {base!r}: {err}") from err
+    if any((folder / name).exists() for name in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    log.info("model %s: the peft adapter merged into its base model %s", folder, base)
+    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload(), tokenizer
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
