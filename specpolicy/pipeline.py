@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specpolicy import stages
 from specpolicy.atomic import made_for, model_identity, settings
@@ -86,7 +86,7 @@ def evaluate(cfg: DictConfig) -> None:
         log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
                     cfg.eval.num_prompts, cfg.data.split, len(conversations))
     conversations = conversations[: cfg.eval.num_prompts]
-    check_held_out(cfg, source, conversations)
+    check_held_out(cfg, source, conversations, chosen)
     batch_sizes = fitting_batch_sizes("eval.batch_sizes", cfg.eval.batch_sizes, len(conversations),
                                       "raise eval.num_prompts or data.limit, or give data.prompts_file more prompts")
     target, draft = stages.load_pair(cfg, cfg.draft)
@@ -118,20 +118,25 @@ def evaluate(cfg: DictConfig) -> None:
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
 
 
-def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Conversation]) -> None:
-    """Refuse to score a draft on prompts it was distilled on, known by content from its `TRAINED_ON` file: a prompts
-    file without a `split` column is every split (distil held out only its first rows), a copy of the file has
-    another path, and another data set may share prompts. data.split=train or all asks for them (a warning)."""
-    path = cfg.draft.get("source", {}).get("path")
-    if not path or cfg.data.split in ("train", "all") and not source.serves_every_split:
+def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Conversation],
+                   policies: dict[str, DictConfig]) -> None:
+    """Refuse to score a draft, or a policy's depth head, on prompts it was trained on, known by content from its
+    folder's `TRAINED_ON` file: a prompts file without a `split` column is every split (distil held out only its
+    first rows), a copy of the file has another path, and another data set may share prompts. data.split=train
+    or all asks for them (a warning)."""
+    if cfg.data.split in ("train", "all") and not source.serves_every_split:
         return
-    seen = trained_on(path, conversations)
-    if seen:
-        fewer = f"set eval.num_prompts={seen[0]}, or " if seen[0] else ""
-        raise SpecPolicyError(f"{len(seen)} of the {len(conversations)} prompts evaluate would decode ({source.name}, "
-                              f"split={cfg.data.split}) are prompts the draft at {path} was distilled on (the first: "
-                              f"prompt {seen[0]}), where its acceptance and speedups are optimistic; {fewer}decode "
-                              f"prompts it never trained on (data.split=test, or another data.prompts_file)")
+    trained = {"the draft": cfg.draft.get("source", {}).get("path"),
+               **{f"the depth head of eval.policies.{name}": OmegaConf.select(policy, "estimator.path")
+                  for name, policy in policies.items()}}
+    for what, path in trained.items():
+        seen = trained_on(path, conversations) if path else []
+        if seen:
+            fewer = f"set eval.num_prompts={seen[0]}, or " if seen[0] else ""
+            raise SpecPolicyError(f"{len(seen)} of the {len(conversations)} prompts evaluate would decode "
+                                  f"({source.name}, split={cfg.data.split}) are prompts {what} at {path} was trained "
+                                  f"on (the first: prompt {seen[0]}), where its results are optimistic; {fewer}decode "
+                                  f"prompts it never trained on (data.split=test, or another data.prompts_file)")
 
 
 def check_eval_settings(settings: DictConfig) -> None:

@@ -21,7 +21,7 @@ from specpolicy.atomic import atomic_path, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
-from specpolicy.data import encode_fitting, without
+from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, without
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import (
     SpecPolicyError,
@@ -144,24 +144,28 @@ def collect(cfg: DictConfig) -> None:
     target, draft = load_pair(cfg, cfg.trained_draft)
     engine = instantiate(cfg.engine)(target.model, draft.model, max_new_tokens=c.max_new_tokens)
     conversations = _not_evaluated(cfg, _unseen_by_draft(cfg, instantiate(cfg.data, split="train", limit=None).load()))
-    prompts = encode_fitting(target.tokenizer, conversations, target.context_length - c.max_new_tokens, "collect",
-                             f"the target's context of {target.context_length} less collect.max_new_tokens")
+    conversations = fitting(target.tokenizer, conversations, target.context_length - c.max_new_tokens, "collect",
+                            f"the target's context of {target.context_length} less collect.max_new_tokens")
+    prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
     sizes = fitting_batch_sizes("collect.batch_sizes", c.batch_sizes, len(prompts),
                                 "give data more train prompts, or lower distill.data.train_prompts")
+    # at each batch size the first prompts, in whole batches of at least min_prompts_per_size prompts in all
+    counts = {bs: min(-(-max(bs, c.min_prompts_per_size) // bs) * bs, len(prompts)) for bs in sizes}
     shards = out.with_name("rollouts_shards")
     for bs in tqdm(sizes, desc="collect (batch sizes)"):
         shard = shards / f"bs{bs}"
         if (shard / "dataset_info.json").exists():
             continue
         recorder = RecordingPolicy(StaticPolicy(k=c.k))
-        count = min(max(bs, c.min_prompts_per_size), len(prompts))
-        for start in tqdm(range(0, count, bs), desc=f"batch size {bs}", leave=False):
+        for start in tqdm(range(0, counts[bs], bs), desc=f"batch size {bs}", leave=False):
             engine.generate(prompts[start : start + bs], recorder, first_id=start)
         with atomic_path(shard) as tmp:
             _dataset(torch.cat(recorder.records)).save_to_disk(str(tmp))
     parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in sizes]
     with atomic_path(out) as tmp:
         datasets.concatenate_datasets(parts).save_to_disk(str(tmp))
+        # the prompts the head will learn from, which evaluate must not score it on
+        (tmp / TRAINED_ON).write_text(digests_text(conversations[: max(counts.values())]))
     record(out, made_with)
     shutil.rmtree(shards)
     log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
@@ -213,7 +217,10 @@ def head(cfg: DictConfig) -> None:
     trainer = instantiate(h.trainer, logger=experiment_logger(cfg, "head", checkpoints, h.ckpt_path) or False)
     resumable("head", trainer, h.ckpt_path, made_with)
     run_trainer(trainer, "fit", module, datamodule=data, ckpt_path=h.ckpt_path)
-    module.head.save(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if (saved / TRAINED_ON).exists():  # the prompts of its rollouts, which evaluate must not score it on
+        shutil.copyfile(saved / TRAINED_ON, out / TRAINED_ON)
+    module.head.save(out)  # head.pt last
     record(out, made_with)
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
 

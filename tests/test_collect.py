@@ -9,6 +9,7 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
+from specpolicy.data import TRAINED_ON, PromptSource, trained_on
 from specpolicy.errors import SpecPolicyError
 from specpolicy.stages import _not_evaluated, _unseen_by_draft
 
@@ -77,6 +78,8 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     assert set(rollouts["batch_size"].tolist()) == {0.0, 4.0}  # bs4 decoded now (the marked rows say 0)
     assert not (tmp_path / "tiny" / "rollouts_shards").exists()
     stages.head(cfg)
+    assert (tmp_path / "tiny" / "head" / TRAINED_ON).read_text() == (tmp_path / "tiny" / "rollouts" / TRAINED_ON
+                                                                      ).read_text()  # what evaluate checks
     first = rollouts["position"] == 1
     config = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())
     assert config["prior"] == pytest.approx(float(rollouts["accepted"][first].float().mean()))
@@ -109,3 +112,5 @@ def test_collect_with_fewer_prompts_than_it_asks_for_decodes_those_there_are(tmp
     assert "collect.batch_sizes [4] exceed the 3 prompts to decode and are left out" in caplog.text
     rollouts = datasets.load_from_disk(str(tmp_path / "tiny" / "rollouts")).with_format("torch")[:]
     assert set(rollouts["batch_size"].tolist()) == {1.0} and len(set(rollouts["group"].tolist())) == 3
+    every = PromptSource(prompts_file=str(tmp_path / "p.jsonl"), split="all").load()
+    assert trained_on(tmp_path / "tiny" / "rollouts", every) == [0, 1, 2]  # the decoded ones, for the head's folder

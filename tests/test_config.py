@@ -279,8 +279,15 @@ def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) ->
     draft = Path(cfg.draft.source.path)
     draft.mkdir(parents=True)
     (draft / TRAINED_ON).write_text(digests_text([[{"role": "user", "content": t}] for t in texts[2:]]))
-    with pytest.raises(SpecPolicyError, match=r"2 of the 4 prompts evaluate would decode .* distilled on \(the first: "
-                                              r"prompt 2\).*set eval.num_prompts=2"):
+    with pytest.raises(SpecPolicyError, match=r"2 of the 4 prompts evaluate would decode .* the draft at .* trained on "
+                                              r"\(the first: prompt 2\).*set eval.num_prompts=2"):
         evaluate(cfg)
     source = instantiate(cfg.data)
-    check_held_out(cfg, source, source.load()[:2])  # the held-out rows alone
+    policies = {"learned": cfg.eval.policies.learned}
+    check_held_out(cfg, source, source.load()[:2], policies)  # the held-out rows alone
+    head = Path(cfg.eval.policies.learned.estimator.path)  # a depth head whose rollouts decoded prompt 1
+    head.mkdir(parents=True)
+    (head / TRAINED_ON).write_text(digests_text([[{"role": "user", "content": texts[1]}]]))
+    with pytest.raises(SpecPolicyError, match=r"1 of the 2 prompts .* the depth head of eval.policies.learned at .* "
+                                              r"\(the first: prompt 1\).*set eval.num_prompts=1"):
+        check_held_out(cfg, source, source.load()[:2], policies)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from specpolicy.data import PromptSource, encode_fitting, encode_prompts
+from specpolicy.data import PromptSource, encode_prompts, fitting
 from specpolicy.data.prompts import EMBEDDED
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.tiny import byte_tokenizer
@@ -133,7 +133,8 @@ def test_training_stages_skip_prompts_too_long_and_name_the_limit(caplog: pytest
     """distil named distill.max_length where the target's context was the limit; collect stopped on one prompt."""
     chats = [[{"role": "user", "content": "x" * n}] for n in (5, 80, 10)]
     with caplog.at_level("WARNING", logger="specpolicy"):
-        kept = encode_fitting(byte_tokenizer(), chats, 60, "collect", "the target's context of 64 less 4")
-    assert len(kept) == 2 and "collect: 1 of 3 prompts are longer than 60 tokens (the target's context" in caplog.text
+        kept = fitting(byte_tokenizer(), chats, 60, "collect", "the target's context of 64 less 4")
+    assert kept == [chats[0], chats[2]]
+    assert "collect: 1 of 3 prompts are longer than 60 tokens (the target's context" in caplog.text
     with pytest.raises(SpecPolicyError, match=r"^distil \(train\): every prompt is longer than 8 tokens"):
-        encode_fitting(byte_tokenizer(), chats, 8, "distil (train)", "distill.max_length=9")
+        fitting(byte_tokenizer(), chats, 8, "distil (train)", "distill.max_length=9")

@@ -5,11 +5,11 @@ from specpolicy.data.prompts import (
     Conversation,
     PromptSource,
     digests_text,
-    encode_fitting,
     encode_prompts,
+    fitting,
     trained_on,
     without,
 )
 
-__all__ = ["TRAINED_ON", "Conversation", "PromptSource", "digests_text", "encode_fitting", "encode_prompts",
+__all__ = ["TRAINED_ON", "Conversation", "PromptSource", "digests_text", "encode_prompts", "fitting",
            "trained_on", "without"]

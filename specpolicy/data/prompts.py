@@ -200,7 +200,7 @@ def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], context_length: int, reserve: int = 0,
 ) -> list[list[int]]:
     """Token ids per prompt, chat template applied; `reserve` tokens of context (engine.max_new_tokens) are kept
-    for generation, and a prompt without room for them is refused (training stages skip it: `encode_fitting`)."""
+    for generation, and a prompt without room for them is refused (training stages skip it: `fitting`)."""
     encoded = []
     for i, conversation in enumerate(conversations):
         if tokenizer.chat_template:
@@ -221,12 +221,13 @@ def encode_prompts(
     return encoded
 
 
-def encode_fitting(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], longest: int, stage: str,
-                   limit: str) -> list[list[int]]:
-    """Token ids of the prompts of at most `longest` tokens: a training stage skips the others, saying how many and
-    which `limit` sets the length (evaluate refuses them instead, `encode_prompts`: its prompts are the test)."""
+def fitting(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], longest: int, stage: str,
+            limit: str) -> list[Conversation]:
+    """The prompts of at most `longest` tokens: a training stage skips the others, saying how many and which `limit`
+    sets the length (evaluate refuses them instead, `encode_prompts`: its prompts are the test). Conversations, not
+    ids: what a stage trains on is also listed by content (`digests_text`)."""
     encoded = encode_prompts(tokenizer, conversations, context_length=2**62)
-    kept = [ids for ids in encoded if len(ids) <= longest]
+    kept = [c for c, ids in zip(conversations, encoded) if len(ids) <= longest]
     if len(kept) < len(encoded):
         log.warning("%s: %d of %d prompts are longer than %d tokens (%s); skipped", stage, len(encoded) - len(kept),
                     len(encoded), longest, limit)

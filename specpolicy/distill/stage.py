@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import model_identity, record, settings, written
 from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
-from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_fitting, without
+from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_prompts, fitting, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
@@ -256,7 +256,8 @@ def _trainable(model, d: DictConfig):
 
 def _prompt_groups(cfg: DictConfig, target: LoadedModel, train: bool = True) -> dict[str, list[Conversation]]:
     """The conversations distillation reads, by group: "validation", "test" (unless distill.data.test_prompts=0),
-    and with `train` the train split's prompts and each synthetic set, none of them a held-out prompt."""
+    and with `train` the train split's prompts and each synthetic set, none of them a held-out prompt; those too
+    long for distill.max_length are left out (with a warning)."""
     d = cfg.distill
     data = instantiate(d.data)
     groups = {split: instantiate(cfg.data, split=split, limit=limit).load()
@@ -279,7 +280,12 @@ def _prompt_groups(cfg: DictConfig, target: LoadedModel, train: bool = True) -> 
     if train and not groups["train"]:
         raise SpecPolicyError("every train prompt is also a validation or test prompt (a prompts file without a "
                               "`split` column serves every split); give its rows a `split`: train, validation or test")
-    return groups
+    room = target.context_length - data.max_new_tokens
+    limit = (f"distill.max_length={d.max_length}" if d.max_length <= room else
+             f"the target's context of {target.context_length} less distill.data.max_new_tokens")
+    # at least one response token after the prompt
+    return {name: fitting(target.tokenizer, conversations, min(d.max_length, room) - 1, f"distil ({name})", limit)
+            for name, conversations in groups.items()}
 
 
 def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel,
@@ -288,11 +294,7 @@ def _datamodule(cfg: DictConfig, target: LoadedModel, draft: LoadedModel,
     d = cfg.distill
     data = instantiate(d.data)
     tokenizer = target.tokenizer
-    room = target.context_length - data.max_new_tokens
-    limit = (f"distill.max_length={d.max_length}" if d.max_length <= room else
-             f"the target's context of {target.context_length} less distill.data.max_new_tokens")
-    # at least one response token after the prompt
-    prompts = {name: encode_fitting(tokenizer, conversations, min(d.max_length, room) - 1, f"distil ({name})", limit)
+    prompts = {name: encode_prompts(tokenizer, conversations, target.context_length)  # each fits (`_prompt_groups`)
                for name, conversations in groups.items()}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     val, test = prompts.pop("validation"), prompts.pop("test", [])
