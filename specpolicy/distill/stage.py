@@ -149,6 +149,8 @@ def distil(cfg: DictConfig) -> None:
     before = _held_out(trainer, module, datamodule)
     with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
         warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+        # a resumed run's sampler starts at the checkpoint's step (`StepBatchSampler`): nothing is read twice
+        warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
         run_trainer(trainer, "fit", module, datamodule=datamodule, ckpt_path=d.ckpt_path)
     train_s = timer.time_elapsed("train")
     if trainer.interrupted or trainer.global_step < trainer.max_steps:
