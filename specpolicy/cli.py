@@ -60,6 +60,26 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
         sys.exit(130)
 
 
+class OutputFolder(Callback):
+    """Hydra callback (conf/hydra/default.yaml): a run whose log folder lies under a file
+    (`paths.checkpoints_dir=notes.txt`) ended in a NotADirectoryError traceback from Hydra's mkdir, before any check
+    of ours could run; now one line, before Hydra makes the folder."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_folder(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_folder(config.hydra.sweep.dir)
+
+
+def _check_folder(folder: str) -> None:
+    existing = next(p for p in [Path(folder), *Path(folder).parents] if p.exists())
+    if not existing.is_dir():
+        print(f"error: {existing} is a file, and this run writes its outputs into folders under it ({folder}); point "
+              f"paths.checkpoints_dir at a folder", file=sys.stderr)
+        sys.exit(2)
+
+
 class FailedJobs(Callback):
     """Hydra callback (conf/hydra/default.yaml): a multirun whose jobs stopped on bad input lists them and exits
     with 2 once every job has run (a job's sys.exit(2) used to end the whole sweep at the first such job)."""

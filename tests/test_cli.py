@@ -180,6 +180,16 @@ def test_a_missing_pretrained_draft_names_the_key_of_the_script(tmp_path: Path) 
                              "draft_metrics.py: trained_draft.source.path)")
 
 
+@pytest.mark.parametrize("script, mode", [("train.py", "RUN"), ("evaluate.py", "MULTIRUN")])
+def test_a_checkpoints_dir_that_is_a_file_is_one_line(script: str, mode: str, tmp_path: Path) -> None:
+    """Hydra makes the run's log folder under it before the task runs: it ended in a NotADirectoryError traceback."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("")
+    proc = run(script, f"hydra.mode={mode}", "experiment=tiny", "debug=fast", tmp_path=notes)
+    assert_clean_error(proc, f"error: {notes} is a file, and this run writes its outputs into folders under it")
+    assert proc.returncode == 2
+
+
 def test_each_job_of_an_evaluate_multirun_writes_its_own_report(tmp_path: Path) -> None:
     """The jobs of `-m 'eval.batch_sizes=[1],[2]'` shared eval.out_dir, and each wrote its report over the last."""
     proc = run("evaluate.py", "hydra.mode=MULTIRUN", "experiment=tiny", "debug=fast", "draft=layers",
