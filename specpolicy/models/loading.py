@@ -212,13 +212,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A model and its tokenizer from an HF folder, a peft adapter folder or a hub id, which must belong together."""
     folder = Path(path)
-    if folder.is_dir() and not (folder / "config.json").exists() and (folder / ADAPTER_CONFIG).exists():
-        return _merged_adapter(folder)
+    adapter = folder.is_dir() and not (folder / "config.json").exists() and (folder / ADAPTER_CONFIG).exists()
+    model, tokenizer = _merged_adapter(folder) if adapter else _model_and_tokenizer(path)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:  # its ids past the embedding would fail as "not an id of the target's vocabulary"
+        raise SpecPolicyError(f"the tokenizer at {path!r} has {len(tokenizer)} tokens but the model embeds {rows}: "
+                              f"they do not belong together; save the model's own tokenizer beside it")
+    return model, tokenizer
+
+
+def _model_and_tokenizer(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    folder = Path(path)
     if folder.is_dir() and not (folder / "config.json").exists():
         raise SpecPolicyError(f"{path!r} is a folder but not an HF model folder (it has no config.json); point at the "
                               f"folder that save_pretrained wrote (config, weights and tokenizer)")
-    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+    if folder.is_dir() and not _has_tokenizer(folder):
         # transformers builds an empty tokenizer for it, and every prompt encodes to nothing
         raise SpecPolicyError(f"the model folder {path!r} has no tokenizer files (tokenizer.json, ...); save the "
                               f"model's tokenizer into it with tokenizer.save_pretrained({path!r})")
@@ -241,11 +251,11 @@ def _from_pretrained(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
             f"cannot load model {path!r}: not a local HF folder, and the hub could not provide it "
             f"(offline, or a typo?); download it first or point at a local folder ({err.__class__.__name__})"
         ) from err
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > rows:  # its ids past the embedding would fail as "not an id of the target's vocabulary"
-        raise SpecPolicyError(f"the tokenizer at {path!r} has {len(tokenizer)} tokens but the model embeds {rows}: "
-                              f"they do not belong together; save the model's own tokenizer beside it")
     return model, tokenizer
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).exists() for name in TOKENIZER_FILES)
 
 
 def _merged_adapter(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -262,7 +272,7 @@ def _merged_adapter(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         model, tokenizer = _from_pretrained(str(PretrainedSource(path=base)._resolve()))  # a typo'd local path too
     except SpecPolicyError as err:
         raise SpecPolicyError(f"the peft adapter at {str(folder)!r} is for the base model {base!r}: {err}") from err
-    if any((folder / name).exists() for name in TOKENIZER_FILES):
+    if _has_tokenizer(folder):
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     log.info("model %s: the peft adapter merged into its base model %s", folder, base)
     return PeftModel.from_pretrained(model, str(folder)).merge_and_unload(), tokenizer
