@@ -79,9 +79,6 @@ def evaluate(cfg: DictConfig) -> None:
     check_made_for_target(cfg, chosen)
     source = instantiate(cfg.data)
     conversations = source.load()  # a bad prompts file fails before any model loads
-    if cfg.data.split in ("train", "all") and not source.serves_every_split:  # that one: check_held_out
-        log.warning("evaluate: data.split=%s decodes prompts the draft was distilled on and the head's rollouts came "
-                    "from: acceptance and speedups will be optimistic; data.split=test is held out", cfg.data.split)
     if cfg.eval.num_prompts is not None and len(conversations) < cfg.eval.num_prompts:
         log.warning("evaluate: eval.num_prompts=%d but data (split=%s) has %d prompts; decoding those",
                     cfg.eval.num_prompts, cfg.data.split, len(conversations))
@@ -123,8 +120,10 @@ def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Co
     """Refuse to score a draft, or a policy's depth head, on prompts it was trained on, known by content from its
     folder's `TRAINED_ON` file: a prompts file without a `split` column is every split (distil held out only its
     first rows), a copy of the file has another path, and another data set may share prompts. data.split=train
-    or all asks for them (a warning)."""
+    or all asks for them, and is warned."""
     if cfg.data.split in ("train", "all") and not source.serves_every_split:
+        log.warning("evaluate: data.split=%s decodes prompts the draft was distilled on and the head's rollouts came "
+                    "from: acceptance and speedups will be optimistic; data.split=test is held out", cfg.data.split)
         return
     trained = {"the draft": cfg.draft.get("source", {}).get("path"),
                **{f"the depth head of eval.policies.{name}": OmegaConf.select(policy, "estimator.path")
