@@ -119,6 +119,14 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
         record(folder, made_with)
 
 
+def checkpoints_of(callbacks: Any) -> str | None:
+    """The folder the configured checkpoint callback writes to, read from the callbacks' configs (a dict of them
+    or a list): the logger, made before the trainer, looks there for the run to resume. Found by its `dirpath`,
+    not by the key the callback has in the config, which a user may rename."""
+    configs = callbacks.values() if isinstance(callbacks, dict | DictConfig) else callbacks or []
+    return next((str(c.dirpath) for c in configs if c and c.get("dirpath")), None)
+
+
 def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | Path | None = None) -> None:
     """A `ckpt_path` setting, checked before any work: a file it names, or `last` in the checkpoints `folder`."""
     if ckpt_path == "last" and folder and (Path(folder) / "last.ckpt").exists():

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path, record, settings, written
-from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
+from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, without
@@ -124,7 +124,7 @@ def check_head(cfg: DictConfig) -> None:
     check_number("head.lr", h.lr, 0, low_open=True)
     check_number("head.val_fraction", h.val_fraction, 0, 1, low_open=True, high_open=True)
     check_trainer("head.trainer", h.trainer)
-    check_ckpt_path("head.ckpt_path", h.ckpt_path)
+    check_ckpt_path("head.ckpt_path", h.ckpt_path, checkpoints_of(h.trainer.get("callbacks")))
 
 
 def collect(cfg: DictConfig) -> None:
@@ -213,7 +213,7 @@ def head(cfg: DictConfig) -> None:
     prior = float(rollouts["accepted"].float()[first].mean()) if bool(first.any()) else 0.5
     config = HeadConfig(hidden=h.hidden, layers=h.layers, prior=prior, positions=int(position.max()))
     module = HeadModule(config, lr=h.lr)
-    checkpoints = next((c.dirpath for c in h.trainer.get("callbacks") or [] if c.get("dirpath")), None)
+    checkpoints = checkpoints_of(h.trainer.get("callbacks"))
     trainer = instantiate(h.trainer, logger=experiment_logger(cfg, "head", checkpoints, h.ckpt_path) or False)
     resumable("head", trainer, h.ckpt_path, made_with)
     run_trainer(trainer, "fit", module, datamodule=data, ckpt_path=h.ckpt_path)

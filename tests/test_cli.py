@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from compose import ROOT, compose_config
 from specpolicy import errors
-from specpolicy.cli import bad_input, entry, experiment_logger, run_trainer
+from specpolicy.cli import bad_input, checkpoints_of, entry, experiment_logger, run_trainer
 from specpolicy.cost.profile import profile_file
 from specpolicy.pipeline import train
 
@@ -312,6 +312,24 @@ def test_a_resumed_training_logs_on_into_its_wandb_run(tmp_path: Path, monkeypat
         assert experiment_logger(cfg, "distil", folder, None).experiment.id != first  # ckpt_path=null starts over
     finally:
         sys.modules["wandb"].finish()
+
+
+def test_the_checkpoints_folder_is_found_by_its_setting_not_its_key(tmp_path: Path) -> None:
+    """Distil looked for `callbacks.model_checkpoint.dirpath` by name: under another key, a resumed run logged into
+    a new wandb run and a truncated last.ckpt was found only after the models loaded. The head's truncated
+    last.ckpt was not checked before distillation at all."""
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", "callbacks.model_checkpoint=null",
+                                   f"+callbacks.saver={{_target_: lightning.pytorch.callbacks.ModelCheckpoint, "
+                                   f"dirpath: {tmp_path / 'mine'}}}"], tmp_path)
+    assert checkpoints_of(cfg.callbacks) == str(tmp_path / "mine")
+    assert checkpoints_of(cfg.head.trainer.callbacks) == str(tmp_path / "tiny" / "head" / "checkpoints")
+    assert checkpoints_of(None) is None
+    head_checkpoints = tmp_path / "tiny" / "head" / "checkpoints"
+    head_checkpoints.mkdir(parents=True)
+    (head_checkpoints / "last.ckpt").write_bytes(b"cut short")
+    with pytest.raises(errors.SpecPolicyError, match=r"last.ckpt is not a whole checkpoint"):
+        train(compose_config("train", ["experiment=tiny", "debug=fast", "head.ckpt_path=last"], tmp_path))
+    assert not (tmp_path / "tiny" / "draft").exists()  # refused before the first stage
 
 
 def test_a_wandb_mode_wandb_does_not_know_stops_before_the_first_stage(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import model_identity, record, settings, written
-from specpolicy.cli import check_ckpt_path, experiment_logger, resumable, run_trainer
+from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
 from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_prompts, fitting, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
@@ -96,7 +96,7 @@ def check_distil(cfg: DictConfig) -> None:
                                   f"distill.scheduler.num_warmup_steps=20)") from err
     instantiate(d.data)
     instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
-    check_ckpt_path("distill.ckpt_path", d.ckpt_path, OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath"))
+    check_ckpt_path("distill.ckpt_path", d.ckpt_path, checkpoints_of(cfg.get("callbacks")))
 
 
 def _check_splits(cfg: DictConfig) -> None:
@@ -313,8 +313,7 @@ def _keep_apart(groups: dict[str, list], name: str, held_out: list) -> None:
 
 def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c] + list(extra)
-    checkpoints = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath")
-    logger = experiment_logger(cfg, "distil", checkpoints, cfg.distill.ckpt_path) or False
+    logger = experiment_logger(cfg, "distil", checkpoints_of(cfg.get("callbacks")), cfg.distill.ckpt_path) or False
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
     return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
