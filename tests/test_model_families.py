@@ -148,3 +148,23 @@ def test_fresh_drafts_keep_the_targets_head_dim(tiny_model) -> None:
     assert FreshDraft(num_hidden_layers=1).build(target).model.config.head_dim == 32
     narrow = FreshDraft(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
     assert narrow.build(target).model.config.head_dim == 16
+
+
+def test_a_peft_wrapped_draft_decodes_as_its_merged_model(tiny_model) -> None:
+    """A LoRA draft straight from `get_peft_model` stopped in "'CausalLMOutputWithPast' object has no attribute
+    'last_hidden_state'": the engine reads `base_model`, which for a PeftModel is the wrapper of the whole LM."""
+    import copy
+
+    import peft
+
+    target = tiny_model("llama")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0: it acts
+    wrapped = peft.get_peft_model(copy.deepcopy(target.model), lora).eval()
+    merged = copy.deepcopy(wrapped).merge_and_unload()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 4, 12)]
+    runs = {name: Engine(target.model, draft, max_new_tokens=12, eos_token_id=[]).generate(prompts, StaticPolicy(k=3))
+            for name, draft in (("wrapped", wrapped), ("merged", merged), ("unadapted", target.model))}
+    plain = Engine(target.model, max_new_tokens=12, eos_token_id=[]).generate(prompts, ArPolicy()).outputs
+    assert all(run.outputs == plain for run in runs.values())
+    assert runs["wrapped"].stats.accepted == runs["merged"].stats.accepted < runs["unadapted"].stats.accepted

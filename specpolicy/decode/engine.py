@@ -38,7 +38,7 @@ from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.compat import check_models
-from specpolicy.models.fusion import fuses_features
+from specpolicy.models.fusion import fuses_features, unwrap
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
 from specpolicy.models.vocab import subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
@@ -110,6 +110,9 @@ class Engine:
         for role, model in (("target", target), ("draft", draft)):
             if isinstance(model, LoadedModel):  # what every source and draft builder returns
                 raise SpecPolicyError(f"Engine takes models: pass {role}.model, not the LoadedModel")
+        # a peft-wrapped model (get_peft_model) decodes as the HF model its adapters live in: the engine reads
+        # `base_model`, which for a PeftModel is the LoRA wrapper around the whole causal LM
+        target, draft = unwrap(target), unwrap(draft) if draft is not None else None
         if draft is not None:
             check_models(target, draft)
         self.target, self.draft = target, draft
