@@ -104,17 +104,19 @@ def _relative(tree: Any, home: str | None) -> Any:
 
 
 def model_identity(source: dict[str, Any]) -> dict[str, Any]:
-    """A model source's recorded settings without the `RUNTIME` keys: which model, not how it ran here."""
-    return {k: v for k, v in source.items() if k not in RUNTIME}
+    """A model source's recorded settings without the `RUNTIME` keys (a draft's also in its `source`): which model,
+    not how it ran here."""
+    return {k: model_identity(v) if k == "source" and isinstance(v, dict) else v
+            for k, v in source.items() if k not in RUNTIME}
 
 
-def made_for(stage: str, out: Path, target: dict[str, Any]) -> str | None:
-    """What differs between the target `out` was made for (its record's) and `target` (`model_identity`), as
-    "key: old -> new; ..."; None when they agree, or `out` has no record that says."""
-    old = (read_record(stage, out) or {}).get("target")
+def made_for(stage: str, out: Path, model: dict[str, Any], role: str = "target") -> str | None:
+    """What differs between the model `out` was made for in `role` (its record's `target`, or `trained_draft`)
+    and `model` (`model_identity`), as "key: old -> new; ..."; None when they agree, or no record says."""
+    old = (read_record(stage, out) or {}).get(role)
     if not isinstance(old, dict):
         return None
-    return _listed(_changes(_flat({"target": model_identity(old)}), _flat({"target": target}))) or None
+    return _listed(_changes(_flat({role: model_identity(old)}), _flat({role: model}))) or None
 
 
 def record(out: Path, made_with: dict[str, Any]) -> None:

@@ -76,7 +76,7 @@ def evaluate(cfg: DictConfig) -> None:
     check_eval_settings(cfg.eval)
     check_settings(cfg.engine)
     chosen = eval_policies(cfg)
-    check_made_for_target(cfg, chosen)
+    check_made_for(cfg, chosen)
     source = instantiate(cfg.data)
     conversations = source.load()  # a bad prompts file fails before any model loads
     if cfg.eval.num_prompts is not None and len(conversations) < cfg.eval.num_prompts:
@@ -176,23 +176,32 @@ def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
     return policies
 
 
-def check_made_for_target(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
-    """Evaluating another target with an experiment's outputs ran without a word. A draft distilled for another
-    target still decodes losslessly (a fair experiment: how well does it transfer?), so that is a warning; a latency
-    profile of another target prices every decision of `goodput` and `learned` wrong, so that stops."""
+def check_made_for(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
+    """Evaluating another target or draft with an experiment's outputs ran without a word. A draft distilled for
+    another target still decodes losslessly (a fair experiment: how well does it transfer?), and so does a policy
+    whose latency profile timed another draft or whose depth head learned another pair's acceptance: warnings. A
+    latency profile of another target prices every decision of `goodput` and `learned` wrong, so that stops."""
     target = model_identity(settings(cfg, ["target"])["target"])
-    draft = cfg.draft.get("source", {}).get("path")
-    if draft and (changed := made_for("evaluate", Path(draft), target)):
+    draft = model_identity(settings(cfg, ["draft"])["draft"])
+    draft_path = cfg.draft.get("source", {}).get("path")
+    if draft_path and (changed := made_for("evaluate", Path(draft_path), target)):
         log.warning("evaluate: the draft at %s was distilled for another target (%s): its acceptance is that of a "
-                    "draft made for that one", draft, changed)
+                    "draft made for that one", draft_path, changed)
     for name, policy in policies.items():
-        if not policy.get("profile"):
-            continue
-        path = profile_file(policy.profile, cfg.runtime.device, cfg.runtime.dtype, cfg.runtime.skinny_gemm)
-        if changed := made_for("evaluate", path, target):
-            raise SpecPolicyError(f"eval.policies.{name} reads the latency profile {path}, measured for another "
-                                  f"target ({changed}); run scripts/train.py for this target with its own "
-                                  f"experiment_name, or set eval.policies.{name}=null")
+        if policy.get("profile"):
+            path = profile_file(policy.profile, cfg.runtime.device, cfg.runtime.dtype, cfg.runtime.skinny_gemm)
+            if changed := made_for("evaluate", path, target):
+                raise SpecPolicyError(f"eval.policies.{name} reads the latency profile {path}, measured for another "
+                                      f"target ({changed}); run scripts/train.py for this target with its own "
+                                      f"experiment_name, or set eval.policies.{name}=null")
+            if changed := made_for("evaluate", path, draft, "trained_draft"):
+                log.warning("evaluate: eval.policies.%s reads the latency profile %s, which timed another draft "
+                            "(%s): it prices drafting at that draft's cost", name, path, changed)
+        head = OmegaConf.select(policy, "estimator.path")
+        for role, model in (("target", target), ("trained_draft", draft)) if head else ():
+            if changed := made_for("evaluate", Path(head), model, role):
+                log.warning("evaluate: the depth head of eval.policies.%s at %s learned the acceptance of another "
+                            "%s (%s)", name, head, "target" if role == "target" else "draft", changed)
 
 
 def _policy_class(name: str, policy: DictConfig) -> type[DepthPolicy]:

@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specpolicy.atomic import atomic_path, record, settings, written
+from specpolicy.atomic import atomic_path, read_record, record, settings, written
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
@@ -173,7 +173,10 @@ def collect(cfg: DictConfig) -> None:
 
 def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
     seen = cfg.distill.data.train_prompts
-    needed = max(max(bs, cfg.collect.min_prompts_per_size) for bs in cfg.collect.batch_sizes)
+    # batch sizes past every prompt there is are left out anyway (`fitting_batch_sizes`): one of 512 made every
+    # batch size decode distillation prompts, with 442 unseen ones to spare
+    fit = [bs for bs in cfg.collect.batch_sizes if bs <= len(conversations)] or [1]
+    needed = max(max(bs, cfg.collect.min_prompts_per_size) for bs in fit)
     if seen is not None and len(conversations) - seen >= needed:
         return conversations[seen:]
     log.warning("collect: fewer than %d train prompts are left after the %s the draft was distilled on; the "
@@ -221,7 +224,10 @@ def head(cfg: DictConfig) -> None:
     if (saved / TRAINED_ON).exists():  # the prompts of its rollouts, which evaluate must not score it on
         shutil.copyfile(saved / TRAINED_ON, out / TRAINED_ON)
     module.head.save(out)  # head.pt last
-    record(out, made_with)
+    # the pair its rollouts decoded, for evaluate to compare with the pair it scores (not compared on a rerun
+    # here: "from rollouts" settles that)
+    pair = {k: v for k, v in (read_record("head", saved) or {}).items() if k in ("target", "trained_draft")}
+    record(out, {**made_with, **pair})
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
 
 

@@ -80,6 +80,9 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     stages.head(cfg)
     assert (tmp_path / "tiny" / "head" / TRAINED_ON).read_text() == (tmp_path / "tiny" / "rollouts" / TRAINED_ON
                                                                       ).read_text()  # what evaluate checks
+    made_for = {k: json.loads((tmp_path / "tiny" / "rollouts.settings.json").read_text())[k]
+                for k in ("target", "trained_draft")}  # the pair evaluate compares with the one it scores
+    assert made_for.items() <= json.loads((tmp_path / "tiny" / "head.settings.json").read_text()).items()
     first = rollouts["position"] == 1
     config = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())
     assert config["prior"] == pytest.approx(float(rollouts["accepted"][first].float().mean()))
@@ -114,3 +117,22 @@ def test_collect_with_fewer_prompts_than_it_asks_for_decodes_those_there_are(tmp
     assert set(rollouts["batch_size"].tolist()) == {1.0} and len(set(rollouts["group"].tolist())) == 3
     every = PromptSource(prompts_file=str(tmp_path / "p.jsonl"), split="all").load()
     assert trained_on(tmp_path / "tiny" / "rollouts", every) == [0, 1, 2]  # the decoded ones, for the head's folder
+
+
+def test_a_batch_size_past_every_prompt_does_not_send_collect_to_the_distillation_prompts(tmp_path, caplog):
+    """`collect.batch_sizes=[1,4,512]`: 512 counted towards the prompts needed, so every batch size decoded the
+    prompts the draft was distilled on, though 6 unseen ones covered what ran (512 is left out anyway)."""
+    from compose import compose_config
+    from specpolicy import stages
+
+    rows = [{"prompt": f"Say {i}.", "split": "train"} for i in range(10)] + [{"prompt": "Say x.", "split": "test"}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    layers = ["trained_draft._target_=specpolicy.models.draft.LayerSubsetDraft", "~trained_draft.source",
+              "+trained_draft.layers=[0,-1]"]
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", *layers, f"data.prompts_file={tmp_path}/p.jsonl",
+                                   "distill.data.train_prompts=4", "collect.batch_sizes=[1,4,512]"], tmp_path)
+    with caplog.at_level(logging.WARNING, logger="specpolicy"):
+        stages.collect(cfg)
+    assert "reuse distillation prompts" not in caplog.text
+    every = PromptSource(prompts_file=str(tmp_path / "p.jsonl"), split="train").load()
+    assert trained_on(tmp_path / "tiny" / "rollouts", every) == [4, 5, 6, 7]  # after the 4 distilled on

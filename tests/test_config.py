@@ -196,6 +196,30 @@ def test_evaluating_another_target_with_an_experiment_s_outputs_is_named(tmp_pat
                                            f"another target (target.model_type: qwen2 -> llama)")
 
 
+def test_a_profile_or_head_made_with_another_draft_is_named(tmp_path, monkeypatch, caplog) -> None:
+    """`evaluate.py draft=layers` priced drafting with the distilled draft's profile and took the distilled pair's
+    acceptance from its head, without a word; the experiment's own draft gets no such warning."""
+    monkeypatch.setattr("specpolicy.stages.load_pair", lambda *a: pytest.fail("a model loaded"))
+    pair = settings(compose_config("train", ["experiment=tiny", "debug=fast"], tmp_path), ["target", "trained_draft"])
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast"], tmp_path)
+    profile = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype,
+                           cfg.runtime.skinny_gemm)
+    head = Path(cfg.eval.policies.learned.estimator.path)
+    for out in (profile, head):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record(out, pair)
+    for overrides, warned in (([], False), (["draft=layers"], True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specpolicy"), pytest.raises(pytest.fail.Exception):
+            evaluate(compose_config("evaluate", ["experiment=tiny", "debug=fast", *overrides], tmp_path))
+        assert ("eval.policies.goodput reads the latency profile" in caplog.text) is warned, caplog.text
+        assert ("which timed another draft (trained_draft._target_: specpolicy.models.draft.PretrainedDraft -> "
+                "specpolicy.models.draft.LayerSubsetDraft" in caplog.text) is warned
+        assert (f"the depth head of eval.policies.learned at {head} learned the acceptance of another draft"
+                in caplog.text) is warned
+        assert "of another target" not in caplog.text
+
+
 def test_a_draft_is_reused_whatever_dtype_device_or_kernels_later_stages_run(tmp_path) -> None:
     """A bf16 rerun, or runtime.device=cpu for `auto`, refused a finished distillation that never used them."""
     base = draft_settings(compose_config("train", ["experiment=tiny", "debug=fast"], tmp_path))
