@@ -7,6 +7,7 @@ rerun alone and is skipped when its output exists.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 from datetime import datetime
@@ -32,6 +33,7 @@ from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import DepthPolicy, OraclePolicy
+from specpolicy.policy.goodput import GoodputPolicy
 from specpolicy.runtime import check_runtime
 
 log = logging.getLogger("specpolicy")
@@ -91,6 +93,7 @@ def evaluate(cfg: DictConfig) -> None:
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
     # after the models: a wrong model path is the problem to report, not the artefacts a policy reads
     policies = {name: instantiate(policy) for name, policy in chosen.items()}
+    _check_profiled_loads(policies, batch_sizes)
     _explain_baselines(cfg, engine, draft, batch_sizes)
     logger = experiment_logger(cfg)  # before the decoding it logs: a logger that cannot start fails first
     rows, outputs = [], []
@@ -202,6 +205,15 @@ def check_made_for(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
             if changed := made_for("evaluate", Path(head), model, role):
                 log.warning("evaluate: the depth head of eval.policies.%s at %s learned the acceptance of another "
                             "%s (%s)", name, head, "target" if role == "target" else "draft", changed)
+
+
+def _check_profiled_loads(policies: dict[str, DepthPolicy], batch_sizes: list[int]) -> None:
+    """The cost model clamps past its profile's largest row count: a [1, 4] grid priced 64 rows as 4, silently."""
+    for name, policy in policies.items():
+        most = policy.cost.profile.rows[-1] if isinstance(policy, GoodputPolicy) else math.inf
+        if past := [bs for bs in batch_sizes if bs > most]:
+            log.warning("evaluate: eval.policies.%s prices batch sizes %s as %d rows, the most its latency profile "
+                        "timed (profile.rows); profile those loads for it to see them", name, past, most)
 
 
 def _policy_class(name: str, policy: DictConfig) -> type[DepthPolicy]:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path, read_record, record, settings, written
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
-from specpolicy.cost.overhead import drafting_overhead
+from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
 from specpolicy.cost.profile import measure, profile_file
 from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, without
 from specpolicy.decode.engine import check_settings
@@ -27,6 +27,7 @@ from specpolicy.errors import (
     SpecPolicyError,
     check_count,
     check_counts,
+    check_int,
     check_number,
     check_trainer,
     fitting_batch_sizes,
@@ -98,11 +99,16 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
     p = cfg.profile
     for setting in ("context", "repeats"):
         check_count(f"profile.{setting}", p[setting])
-    if p.overhead_steps:  # 0 skips the drafting-overhead runs, and with them their rounds
-        check_count("profile.overhead_steps", p.overhead_steps)
+    if p.overhead_steps != 0:  # 0 skips the drafting-overhead runs, and with them their rounds
+        if not (isinstance(p.overhead_steps, int) and p.overhead_steps >= MIN_STEPS):  # found after the grid
+            raise SpecPolicyError(f"profile.overhead_steps must be 0 (no drafting-overhead runs) or an integer >= "
+                                  f"{MIN_STEPS} (a steady run of each depth to time), got {p.overhead_steps!r}")
         check_count("profile.overhead_rounds", p.overhead_rounds)
     rows = check_counts("profile.rows", p.rows, increasing=True)
-    return rows, check_counts("profile.tokens", p.tokens, increasing=True)
+    tokens = check_counts("profile.tokens", p.tokens, increasing=True)
+    if tokens[0] != 1:  # the cost model clamps there: plain decoding would be priced as a wider pass
+        raise SpecPolicyError(f"profile.tokens must start at 1 (plain decoding's pass), got {tokens}")
+    return rows, tokens
 
 
 def check_collect(cfg: DictConfig) -> None:
@@ -110,8 +116,10 @@ def check_collect(cfg: DictConfig) -> None:
     column (every prompt an evaluation prompt) or a `data.split` typo stopped it after distillation."""
     check_settings(cfg.engine)  # collection decodes with it
     check_counts("collect.batch_sizes", cfg.collect.batch_sizes)
-    for setting in ("k", "min_prompts_per_size", "max_new_tokens"):
+    for setting in ("k", "min_prompts_per_size"):
         check_count(f"collect.{setting}", cfg.collect[setting])
+    # the engine drafts no further than a row's last token, so one new token drafts nothing to learn from
+    check_int("collect.max_new_tokens (2 or more: the last token is never drafted)", cfg.collect.max_new_tokens, 2)
     _not_evaluated(cfg, instantiate(cfg.data, split="train", limit=None).load(), warn=False)  # collect warns
 
 
@@ -207,6 +215,10 @@ def head(cfg: DictConfig) -> None:
     if not (saved / "dataset_info.json").exists():
         raise SpecPolicyError(f"no rollouts at {saved}; run the collect stage first (stages=[collect,head])")
     rollouts = datasets.load_from_disk(str(saved)).with_format("torch")[:]
+    if len(rollouts["group"].unique()) < 2:  # validation takes whole prompts: one would leave nothing to train on
+        raise SpecPolicyError(f"the rollouts at {saved} come from {len(rollouts['group'].unique())} prompt(s); the "
+                              f"head needs 2 or more (delete them and collect again with more train prompts, or "
+                              f"collect.min_prompts_per_size=8)")
     features = torch.stack([rollouts[name].float() for name in FEATURE_NAMES], -1)
     L.seed_everything(cfg.seed, workers=True)
     data = RolloutDataModule(features, rollouts["accepted"].float(), rollouts["group"], h.batch_size, h.val_fraction,

@@ -136,3 +136,22 @@ def test_a_batch_size_past_every_prompt_does_not_send_collect_to_the_distillatio
     assert "reuse distillation prompts" not in caplog.text
     every = PromptSource(prompts_file=str(tmp_path / "p.jsonl"), split="train").load()
     assert trained_on(tmp_path / "tiny" / "rollouts", every) == [4, 5, 6, 7]  # after the 4 distilled on
+
+
+def test_rollouts_of_one_prompt_are_refused_by_the_head_stage(tmp_path):
+    """Validation takes whole prompts: one prompt left the training set empty, and Lightning stopped in
+    "num_samples should be a positive integer value, but got num_samples=0"."""
+    import torch
+
+    from compose import compose_config
+    from specpolicy import stages
+    from specpolicy.errors import SpecPolicyError
+    from specpolicy.rollout.collect import COLUMNS
+
+    records = torch.rand(6, len(COLUMNS))
+    records[:, COLUMNS.index("group")] = 3
+    stages._dataset(records).save_to_disk(str(tmp_path / "tiny" / "rollouts"))
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast"], tmp_path)
+    with pytest.raises(SpecPolicyError, match=r"come from 1 prompt\(s\); the head needs 2 or more"):
+        stages.head(cfg)
+    assert not (tmp_path / "tiny" / "head").exists()

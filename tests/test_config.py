@@ -111,9 +111,14 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -
     ("train", "profile.context=0", "profile.context must be"),
     ("train", "profile.repeats=-1", "profile.repeats must be"),
     ("train", "profile.overhead_steps=-4", "profile.overhead_steps must be"),
+    ("train", "profile.overhead_steps=8", "profile.overhead_steps must be 0 (no drafting-overhead runs) or an "
+                                          "integer >= 32"),  # was found after the timing grid had run
+    ("train", "profile.tokens=[2,3]", "profile.tokens must start at 1 (plain decoding's pass)"),
     ("train", "profile.overhead_rounds=0", "profile.overhead_rounds must be"),
     ("train", "collect.batch_sizes=[1,0]", "collect.batch_sizes must be"),
     ("train", "collect.k=0", "collect.k must be"),
+    ("train", "collect.max_new_tokens=1", "collect.max_new_tokens (2 or more: the last token is never drafted) must "
+                                          "be an integer >= 2"),  # a torch.cat traceback after decoding
     # the cached top-k spreads the rest evenly, which tempering would turn into most of the mass
     ("train", "distill.temperature=2", "distill.temperature=2 needs the target's whole distribution"),
     # yes/no settings Hydra passes through as strings, which Python read as true: an EAGLE draft from "off"

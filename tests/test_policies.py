@@ -355,6 +355,7 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
     (lambda: EntropyPolicy(k=4, threshold=-1.0), "entropy is never negative, so its threshold must be >= 0"),
     (lambda: DisableByBatchPolicy(k=4, threshold=0), "threshold (rows in flight) must be an integer >= 1, got 0"),
     (lambda: HeuristicPolicy(initial=5, min_k=7), "need 0 <= min_k <= initial <= max_k, got min_k=7"),
+    (lambda: ConfidencePolicy(k=4, stop_above="no"), "stop_above must be true or false, got 'no'"),  # reversed it
 ])
 def test_policies_refuse_settings_outside_their_range(make, message: str) -> None:
     with pytest.raises(SpecPolicyError, match=re.escape(message)):
@@ -375,9 +376,32 @@ def test_head_round_trip(tmp_path: Path) -> None:
     with pytest.raises(SpecPolicyError, match=r"head.layers \(0: a logistic regression\) must be an integer >= 0"):
         HeadConfig(layers="abc")
     assert DepthHead(HeadConfig(layers=0))(x).shape == (5,)  # no hidden layer: a logistic regression
-    (tmp_path / "head.pt").write_bytes((tmp_path / "head.pt").read_bytes()[:100])  # hand-edited or a failing disk
-    with pytest.raises(SpecPolicyError, match="the depth head at .* is damaged .*stages=\\[head\\]"):
-        DepthHead.load(tmp_path)
+    config = (tmp_path / "config.json").read_text()
+    for edit in ({"prior": None}, {"prior": 1.5}, {"positions": -2}, {"positions": "3"}):  # failed mid-decoding
+        (tmp_path / "config.json").write_text(json.dumps({**json.loads(config), **edit}))
+        with pytest.raises(SpecPolicyError, match=f"the depth head at .* is damaged \\(the head's {next(iter(edit))}"):
+            DepthHead.load(tmp_path)
+    (tmp_path / "config.json").write_text(config)
+    weights = (tmp_path / "head.pt").read_bytes()
+    for cut in (weights[:100], b""):  # hand-edited or a failing disk (empty: a bare EOFError)
+        (tmp_path / "head.pt").write_bytes(cut)
+        with pytest.raises(SpecPolicyError, match="the depth head at .* is damaged .*stages=\\[head\\]"):
+            DepthHead.load(tmp_path)
+
+
+def test_a_profile_file_can_be_named_and_loads_past_its_grid_are_named(tmp_path: Path, caplog) -> None:
+    """`profile=<the .json>` was looked for inside itself ("no latency profile at x.json/x.json"); batch sizes past
+    the profile's rows were priced as its largest row count without a word."""
+    from specpolicy.pipeline import _check_profiled_loads
+
+    path = tmp_path / "mine.json"
+    synthetic.profile().save(path)
+    policy = GoodputPolicy(str(path), device="cpu")
+    assert policy.cost.profile.rows == synthetic.ROWS
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        _check_profiled_loads({"goodput": policy, "static": StaticPolicy(k=2)}, [1, 64, 128, 512])
+    assert "eval.policies.goodput prices batch sizes [128, 512] as 64 rows" in caplog.text
+    assert "static" not in caplog.text
 
 
 def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
@@ -385,9 +409,22 @@ def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     synthetic.profile().save(path)
     assert LatencyProfile.load(path).rows == synthetic.ROWS
-    short = json.loads(path.read_text())
-    short["target_ms"] = short["target_ms"][:1]
-    for text in (json.dumps(short), "{}", "garbage"):
+    whole = json.loads(path.read_text())
+    rows, tokens = len(whole["rows"]), len(whole["tokens"])
+    edits = {  # hand edits: a grid in another order was interpolated as if sorted, silently; the rest failed later
+        "target_ms do not fill": {"target_ms": whole["target_ms"][:1]}, "draft_ms do not fill": {"draft_ms": 5},
+        "rows must be a non-empty list of distinct integers >= 1 in increasing order": {"rows": whole["rows"][::-1]},
+        "tokens must be a list": {"tokens": "abc"}, "tokens start at 2": {"tokens": [t + 1 for t in whole["tokens"]]},
+        "draft_ms are not all numbers > 0": {"draft_ms": [[0.0] * tokens] * rows},
+        "target_ms are not all numbers > 0": {"target_ms": [[None] * tokens] * rows},
+        "not one number per row count": {"draft_step_overhead_ms": [1.0]},
+        "make a draft position cost less than nothing": {"draft_step_overhead_ms": [-1e6] * rows},
+    }
+    for problem, edit in edits.items():
+        path.write_text(json.dumps({**whole, **edit}))
+        with pytest.raises(SpecPolicyError, match=f"latency profile .* is damaged; .*: .*{re.escape(problem)}"):
+            LatencyProfile.load(path)
+    for text in ("{}", "garbage"):
         path.write_text(text)
         with pytest.raises(SpecPolicyError, match="latency profile .* is damaged; delete it and run the profile"):
             LatencyProfile.load(path)

@@ -44,6 +44,7 @@ from specpolicy.policy import StaticPolicy, StepState
 
 WARM_STEPS = 2  # the first steps read the prompts (a fusing draft reads them one step later)
 BLOCK = 4  # steps at one depth before switching: (BLOCK - 1) / BLOCK of the steps are timed
+MIN_STEPS = 8 * BLOCK  # new tokens per run that leave steady steps of each depth to time
 
 
 class _AlternatingProbe(StaticPolicy):
@@ -77,7 +78,7 @@ def step_ratio(step_s: list[float], probe: _AlternatingProbe) -> float:
              for depth in (probe.k, 0)}
     if not all(times.values()):
         raise SpecPolicyError(f"profile.overhead_steps={probe.max_new_tokens} new tokens leave no steady step "
-                              f"of each depth to time; use at least {8 * BLOCK}")
+                              f"of each depth to time; use at least {MIN_STEPS}")
     return statistics.median(times[probe.k]) / statistics.median(times[0])
 
 

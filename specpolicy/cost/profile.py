@@ -9,6 +9,7 @@ change, so the cost model interpolates between measured points instead of fittin
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -20,7 +21,7 @@ from transformers import PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import RaggedCache, forward
-from specpolicy.errors import SpecPolicyError, check_bool
+from specpolicy.errors import SpecPolicyError, check_bool, check_counts
 from specpolicy.models import skinny
 from specpolicy.models.fusion import timing_features
 from specpolicy.runtime import resolve_device, resolve_dtype, synchronize
@@ -57,21 +58,52 @@ class LatencyProfile:
             profile = cls(**json.loads(path.read_text()))
         except (ValueError, TypeError) as err:  # not JSON, or not a profile's fields
             raise SpecPolicyError(f"{damaged}: {err}") from err
-        grid = (len(profile.rows), len(profile.tokens))
-        shapes = [(len(ms), *{len(row) for row in ms}) for ms in (profile.target_ms, profile.draft_ms)]
-        overhead = profile.draft_step_overhead_ms
-        if shapes != [grid, grid] or (overhead is not None and len(overhead) != grid[0]):
-            raise SpecPolicyError(f"{damaged}: its latencies do not fill its {grid[0]} x {grid[1]} grid")
+        if problem := profile.problem():
+            raise SpecPolicyError(f"{damaged}: {problem}")
         return profile
+
+    def problem(self) -> str | None:
+        """What makes a profile (edited by hand, say) unusable by the cost model, or None. A grid listed in
+        another order was interpolated as if sorted (numpy's `interp` assumes it), so its costs were silently
+        wrong; a zero latency divided by zero mid-decoding; a string one failed inside numpy."""
+        for name, grid in (("rows", self.rows), ("tokens", self.tokens)):
+            try:
+                check_counts(name, grid, increasing=True)
+            except SpecPolicyError as err:
+                return f"its {err}"
+        if self.tokens[0] != 1:
+            return f"its tokens start at {self.tokens[0]}, not at 1 (plain decoding's pass)"
+        shape = f"{len(self.rows)} x {len(self.tokens)}"
+        for name, ms in (("target_ms", self.target_ms), ("draft_ms", self.draft_ms)):
+            if not (isinstance(ms, list) and len(ms) == len(self.rows)
+                    and all(isinstance(row, list) and len(row) == len(self.tokens) for row in ms)):
+                return f"its {name} do not fill its {shape} grid"
+            if not all(_finite(v) and v > 0 for row in ms for v in row):
+                return f"its {name} are not all numbers > 0"
+        overhead = self.draft_step_overhead_ms
+        if overhead is None:
+            return None
+        if not (isinstance(overhead, list) and len(overhead) == len(self.rows) and all(map(_finite, overhead))):
+            return f"its draft_step_overhead_ms are not one number per row count ({len(self.rows)})"
+        if any(ms + row[0] < 0 for ms, row in zip(overhead, self.draft_ms)):  # `cost.overhead` stops there
+            return "its draft_step_overhead_ms make a draft position cost less than nothing"
+        return None
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bool = False) -> Path:
-    """Where the profile for this device, dtype and kernel path lives: `<directory>/<device>-<dtype>.json`,
+    """Where the profile for this device, dtype and kernel path lives: `<directory>/<device>-<dtype>.json` (a
+    `directory` ending in .json is taken as the file itself, which a user may name: it was looked for inside),
     or `...-skinny.json` where `runtime.skinny_gemm` runs few-row float32 CPU products as tall GEMMs
     (`models.skinny`). Those are other kernels with another curve (a 2-token forward at batch 1: 25.4 ms
     against 63.6 ms through `nn.Linear`), so a profile of one path must never price the other."""
     device = resolve_device(device)
     check_bool("runtime.skinny_gemm", skinny_gemm)
+    if Path(directory).suffix == ".json":
+        return Path(directory)
     kernels = "-skinny" if skinny_gemm and skinny.applies(device, resolve_dtype(dtype)) else ""
     return Path(directory) / f"{device_name(device)}-{dtype}{kernels}.json"
 

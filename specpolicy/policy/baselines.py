@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpolicy.errors import SpecPolicyError, check_count, check_depth, check_number
+from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_depth, check_number
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN
 
@@ -85,6 +85,7 @@ class ThresholdPolicy(DepthPolicy):
 
     def __post_init__(self) -> None:
         self.max_depth = check_depth(type(self).__name__, self.k)
+        check_bool(f"{type(self).__name__}: stop_above", self.stop_above)  # Hydra passes `no` on as a true string
         if self.feature not in COLUMN:
             raise SpecPolicyError(f"unknown feature {self.feature!r}; choose from {list(COLUMN)}")
         # outside a feature's range every row stops or none does: a typo, not a policy

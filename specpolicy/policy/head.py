@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from specpolicy.atomic import atomic_path
-from specpolicy.errors import SpecPolicyError, check_count, check_int
+from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.rollout.features import COLUMN, FEATURE_NAMES
 
 
@@ -31,6 +31,10 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if check_int("head.layers (0: a logistic regression)", self.layers, 0):
             check_count("head.hidden", self.hidden)  # hidden=0 would train a constant
+        # written by the head stage, read by the policy (a prior of null or 1.5 failed, or was used, mid-decoding)
+        check_number("the head's prior (a first draft token's acceptance)", self.prior, 0, 1)
+        if self.positions is not None:
+            check_count("the head's positions (the deepest draft position of its rollouts)", self.positions)
 
 
 class DepthHead(nn.Module):
@@ -70,7 +74,9 @@ class DepthHead(nn.Module):
             config = json.loads((directory / "config.json").read_text())
             head = cls(HeadConfig(**{**config, "features": tuple(config["features"])}))
             head.load_state_dict(torch.load(directory / "head.pt", map_location="cpu"))
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError, pickle.UnpicklingError) as err:
-            raise SpecPolicyError(f"the depth head at {directory} is damaged ({type(err).__name__}); delete it and "
-                                  f"run the head stage again (stages=[head])") from err
+        except (OSError, EOFError, ValueError, TypeError, KeyError, RuntimeError, pickle.UnpicklingError,
+                SpecPolicyError) as err:
+            why = err if isinstance(err, SpecPolicyError) else type(err).__name__  # ours says which value
+            raise SpecPolicyError(f"the depth head at {directory} is damaged ({why}); delete it and run the head "
+                                  f"stage again (stages=[head])") from err
         return head.eval().requires_grad_(False)
