@@ -250,8 +250,22 @@ def publish(report: dict, out: str | Path) -> None:
 
 
 def per_job(folder: str | Path) -> Path:
-    """`folder`, or in a Hydra multirun a folder in it named after the job's number: every job of an evaluate
-    or benchmark sweep (`-m 'eval.batch_sizes=[1],[8]'`) wrote its report over the one before."""
+    """`folder` (`~` expanded: it made a folder named `~` here), or in a Hydra multirun a folder in it named after
+    the job's number: every job of an evaluate or benchmark sweep (`-m 'eval.batch_sizes=[1],[8]'`) wrote its
+    report over the one before."""
+    folder = Path(folder).expanduser()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(folder) / str(HydraConfig.get().job.num)
-    return Path(folder)
+        return folder / str(HydraConfig.get().job.num)
+    return folder
+
+
+def check_out_dir(setting: str, folder: str | Path) -> None:
+    """A folder a run writes into at its end, checked before the work: a file on its path, or a folder this user
+    cannot write in, was found by the report's mkdir after all the decoding, as a traceback."""
+    folder = Path(folder).expanduser()
+    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    if not existing.is_dir():
+        raise SpecPolicyError(f"{setting}={folder}: {existing} is a file; point {setting} at a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecPolicyError(f"{setting}={folder}: cannot write in {existing}; point {setting} at a folder you can "
+                              f"write in")

@@ -20,9 +20,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specpolicy import stages
 from specpolicy.atomic import made_for, model_identity, settings
-from specpolicy.cli import experiment_logger, per_job
+from specpolicy.cli import check_out_dir, experiment_logger, per_job
 from specpolicy.cost.profile import device_name, profile_file
-from specpolicy.data import Conversation, PromptSource, encode_prompts, trained_on
+from specpolicy.data import TRAINED_ON, Conversation, PromptSource, encode_prompts, trained_on
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
@@ -123,17 +123,23 @@ def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Co
     """Refuse to score a draft, or a policy's depth head, on prompts it was trained on, known by content from its
     folder's `TRAINED_ON` file: a prompts file without a `split` column is every split (distil held out only its
     first rows), a copy of the file has another path, and another data set may share prompts. data.split=train
-    or all asks for them, and is warned."""
-    if cfg.data.split in ("train", "all") and not source.serves_every_split:
-        log.warning("evaluate: data.split=%s decodes prompts the draft was distilled on and the head's rollouts came "
-                    "from: acceptance and speedups will be optimistic; data.split=test is held out", cfg.data.split)
-        return
+    or all asks for training prompts on purpose: then how many were trained on is warned, and where no folder
+    lists its prompts, that they may be (a hub dataset's train split was warned about whatever it held)."""
+    asked = cfg.data.split in ("train", "all") and not source.serves_every_split
     trained = {"the draft": cfg.draft.get("source", {}).get("path"),
                **{f"the depth head of eval.policies.{name}": OmegaConf.select(policy, "estimator.path")
                   for name, policy in policies.items()}}
+    listed = [path for path in trained.values() if path and (Path(path).expanduser() / TRAINED_ON).is_file()]
+    if asked and not listed:
+        log.warning("evaluate: data.split=%s decodes prompts the draft was distilled on and the head's rollouts came "
+                    "from: acceptance and speedups will be optimistic; data.split=test is held out", cfg.data.split)
     for what, path in trained.items():
         seen = trained_on(path, conversations) if path else []
-        if seen:
+        if seen and asked:
+            log.warning("evaluate: %d of the %d prompts (data.split=%s) are prompts %s at %s was trained on: its "
+                        "results on them are optimistic; data.split=test is held out", len(seen), len(conversations),
+                        cfg.data.split, what, path)
+        elif seen:
             fewer = f"set eval.num_prompts={seen[0]}, or " if seen[0] else ""
             raise SpecPolicyError(f"{len(seen)} of the {len(conversations)} prompts evaluate would decode "
                                   f"({source.name}, split={cfg.data.split}) are prompts {what} at {path} was trained "
@@ -146,8 +152,7 @@ def check_eval_settings(settings: DictConfig) -> None:
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
     check_counts("eval.batch_sizes", settings.batch_sizes)
     check_bool("eval.hf_baselines", settings.hf_baselines)
-    if Path(settings.out_dir).exists() and not Path(settings.out_dir).is_dir():  # found only after decoding
-        raise SpecPolicyError(f"eval.out_dir={settings.out_dir} is a file; point it at a folder for the report")
+    check_out_dir("eval.out_dir", settings.out_dir)  # found only after decoding
     if settings.policies.get("ar") is None:
         log.warning("evaluate: eval.policies has no `ar`: no speedups, and no check that greedy outputs are lossless")
     check_count("eval.repeats", settings.repeats)

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from compose import ROOT, compose_config
 from specpolicy import errors
-from specpolicy.cli import bad_input, checkpoints_of, entry, experiment_logger, run_trainer
+from specpolicy.cli import bad_input, checkpoints_of, entry, experiment_logger, per_job, run_trainer
 from specpolicy.cost.profile import profile_file
 from specpolicy.pipeline import train
 
@@ -330,6 +330,11 @@ def test_the_checkpoints_folder_is_found_by_its_setting_not_its_key(tmp_path: Pa
     with pytest.raises(errors.SpecPolicyError, match=r"last.ckpt is not a whole checkpoint"):
         train(compose_config("train", ["experiment=tiny", "debug=fast", "head.ckpt_path=last"], tmp_path))
     assert not (tmp_path / "tiny" / "draft").exists()  # refused before the first stage
+
+
+def test_an_output_folder_under_home_is_expanded() -> None:
+    """`eval.out_dir='~/reports'` wrote into a folder named `~` in the working directory."""
+    assert per_job("~/reports") == Path.home() / "reports"
 
 
 def test_a_wandb_mode_wandb_does_not_know_stops_before_the_first_stage(tmp_path: Path) -> None:

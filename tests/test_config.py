@@ -150,9 +150,10 @@ def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it
     (a researcher may want it) but says what the numbers then mean."""
     afile = tmp_path / "afile"
     afile.write_text("")
-    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"eval.out_dir={afile}"], tmp_path)
-    with pytest.raises(SpecPolicyError, match=f"eval.out_dir={afile} is a file; point it at a folder"):
-        evaluate(cfg)
+    for out_dir in (afile, afile / "report"):  # a file on the way was found by the report's mkdir, after decoding
+        cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"eval.out_dir={out_dir}"], tmp_path)
+        with pytest.raises(SpecPolicyError, match=f"eval.out_dir={out_dir}: {afile} is a file; point eval.out_dir at"):
+            evaluate(cfg)
     for override, warning in [("data.split=train", "data.split=train decodes prompts the draft was distilled on"),
                               ("eval.policies.ar=null", "eval.policies has no `ar`: no speedups")]:
         cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", override, "eval.batch_sizes=[64]"], tmp_path)
@@ -296,7 +297,7 @@ def test_debug_fast_uses_a_tiny_model_and_its_own_folder(tmp_path: Path) -> None
                                                                        f"{root}/checkpoints/smollm2_135m")
 
 
-def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) -> None:
+def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path, caplog) -> None:
     """A prompts file without a `split` column is every split: distil held out its first rows only, and
     eval.num_prompts past them scored the draft on prompts it was distilled on. Known by content, so a copy of the
     file (another path, where a check by path looked) is refused as well."""
@@ -320,3 +321,18 @@ def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path) ->
     with pytest.raises(SpecPolicyError, match=r"1 of the 2 prompts .* the depth head of eval.policies.learned at .* "
                                               r"\(the first: prompt 1\).*set eval.num_prompts=1"):
         check_held_out(cfg, source, source.load()[:2], policies)
+    # data.split=train asks for training prompts: how many were trained on is warned, only where some were (a hub
+    # dataset's train split was warned about whatever it held, and never checked)
+    split = tmp_path / "split.jsonl"
+    split.write_text("\n".join(json.dumps({"prompt": t, "split": "train"}) for t in texts))
+    asked = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"data.prompts_file={split}",
+                                        "data.split=train"], tmp_path)
+    source = instantiate(asked.data)
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        check_held_out(asked, source, source.load()[:2], policies)
+        assert "1 of the 2 prompts (data.split=train) are prompts the depth head of eval.policies.learned" in (
+            caplog.text)
+        assert "the draft" not in caplog.text  # its list holds neither prompt
+        caplog.clear()
+        check_held_out(asked, source, source.load()[:1], policies)
+        assert not caplog.text

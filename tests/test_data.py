@@ -82,6 +82,8 @@ def test_chat_messages_and_template(tmp_path: Path) -> None:
     [
         (None, "does not exist"),
         ("", "is empty"),
+        ("\n \n\n", "is empty"),  # was datasets' 'Instruction "train" corresponds to no data!'
+        ('{"prompt": "caf\udce9"}\n', r"is not UTF-8 text \(byte 0xe9 at offset 15\); save it as UTF-8"),  # pyarrow
         ('{"text": "no prompt"}\n', "neither a non-empty 'prompt'"),
         ('{"prompt": "ok"}\n{"prompt": oops}\n', "JSON parse error"),
         ('{"messages": [{"content": "no role"}]}\n', "'messages' must be a list of"),
@@ -93,18 +95,39 @@ def test_chat_messages_and_template(tmp_path: Path) -> None:
 def test_bad_prompt_files_name_the_problem(tmp_path: Path, content: str | None, message: str) -> None:
     path = tmp_path / "prompts.jsonl"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content.encode("utf-8", "surrogateescape"))  # \udce9: the byte 0xe9, Latin-1's é
     with pytest.raises(SpecPolicyError, match=message):
         PromptSource(prompts_file=str(path)).load()
 
 
-def test_a_folder_or_an_unknown_split_is_named(tmp_path: Path) -> None:
+def test_file_quirks_read_as_their_prompts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A text file's byte-order mark stayed in its first prompt; `prompt_field=text` for a text file stopped in
+    "New column name text already in the dataset"; a `split` column of mixed types in a TypeError from sorted();
+    a JSON object instead of a list of them was told to name its prompt column, which could not help."""
+    text = tmp_path / "p.txt"
+    text.write_bytes("\ufeffSay hi.\nSay bye.\n".encode())
+    expected = [[{"role": "user", "content": "Say hi."}], [{"role": "user", "content": "Say bye."}]]
+    assert PromptSource(prompts_file=str(text)).load() == expected
+    assert PromptSource(prompts_file=str(text), prompt_field="text").load() == expected
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "a", "split": 1}\n{"prompt": "b", "split": "test"}\n')
+    assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "b"}]]
+    assert PromptSource(prompts_file=str(mixed), split="1").load() == [[{"role": "user", "content": "a"}]]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"prompts": ["a", "b"]}))
+    with pytest.raises(SpecPolicyError, match="a .json prompts file must hold a list of objects, one per prompt"):
+        PromptSource(prompts_file=str(wrapped)).load()
+
+
+def test_a_folder_or_an_unknown_split_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A folder was "does not exist"; a split typo (`tset`) was "no prompts", without the splits there are."""
     with pytest.raises(SpecPolicyError, match="is a folder; point data.prompts_file at a file in it"):
         PromptSource(prompts_file=str(tmp_path)).load()
     mixed = tmp_path / "mixed.jsonl"  # rows without a split: None in the column
     mixed.write_text('{"prompt": "a", "split": "test"}\n{"prompt": "b"}\n')
-    assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "a"}]]
+    with caplog.at_level("WARNING", logger="specpolicy"):  # dropped without a word
+        assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "a"}]]
+    assert "1 of the 2 rows of" in caplog.text and "have no `split`; they are in no split" in caplog.text
     with pytest.raises(SpecPolicyError, match=r"data.split='tset' is not a split of .*; choose one of "
                                               r"\['test', 'train', 'validation', 'all'\]"):
         PromptSource(split="tset").load()
@@ -138,3 +161,13 @@ def test_training_stages_skip_prompts_too_long_and_name_the_limit(caplog: pytest
     assert "collect: 1 of 3 prompts are longer than 60 tokens (the target's context" in caplog.text
     with pytest.raises(SpecPolicyError, match=r"^distil \(train\): every prompt is longer than 8 tokens"):
         fitting(byte_tokenizer(), chats, 8, "distil (train)", "distill.max_length=9")
+
+
+def test_a_hub_dataset_without_the_split_says_so(tmp_path: Path) -> None:
+    """Most hub datasets have only `train`; `data.split=test` (the default) was "cannot load hub dataset ...
+    (ValueError); check the name and network", which sent the user to the network."""
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n')
+    with pytest.raises(SpecPolicyError, match=r"\(ValueError: Unknown split \"test\".*\); set data.split to one "
+                                              r"of its splits"):
+        PromptSource(hub_dataset=str(tmp_path)).load()
+    assert PromptSource(hub_dataset=str(tmp_path), split="train").load() == [[{"role": "user", "content": "a"}]]

@@ -57,7 +57,11 @@ class PromptSource:
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self.name}; choose one of "
                                       f"{splits + ['all']}")
-            rows = rows.filter(lambda r: r["split"] == self.split)
+            unsplit = sum(split is None for split in rows["split"])
+            if unsplit:  # in no split: only data.split=all reads them
+                log.warning("%d of the %d rows of %s have no `split`; they are in no split (data.split=all reads "
+                            "every row)", unsplit, len(rows), self.name)
+            rows = rows.filter(lambda r: r["split"] is not None and str(r["split"]) == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
         conversations = [self._conversation(row, i) for i, row in enumerate(rows)]
@@ -77,9 +81,12 @@ class PromptSource:
         prompt = row.get(self.prompt_field)
         if isinstance(prompt, str) and prompt.strip():
             return [{"role": "user", "content": prompt}]
+        if any(isinstance(value, list) for value in row.values()) and Path(self.name).suffix == ".json":
+            fix = "a .json prompts file must hold a list of objects, one per prompt (or write JSONL, one per line)"
+        else:
+            fix = "name the prompt's column with data.prompt_field=COLUMN"
         raise SpecPolicyError(f"{where} has neither a non-empty {self.prompt_field!r} string nor a 'messages' list "
-                              f"(its columns: {', '.join(row)}); name the prompt's column with "
-                              f"data.prompt_field=COLUMN")
+                              f"(its columns: {', '.join(row)}); {fix}")
 
     @property
     def splits(self) -> list[str] | None:
@@ -87,7 +94,7 @@ class PromptSource:
         splits are its own)."""
         if self.hub_dataset and not self.prompts_file or "split" not in self._rows.column_names:
             return None
-        return sorted({s for s in self._rows["split"] if s is not None})  # None: a row without one
+        return sorted({str(s) for s in self._rows["split"] if s is not None})  # None: a row without one
 
     @property
     def serves_every_split(self) -> bool:
@@ -104,16 +111,19 @@ class PromptSource:
         if self.prompts_file:
             rows = _load_file(Path(self.prompts_file).expanduser())
             if Path(self.prompts_file).suffix == ".txt":  # one prompt per line; blank lines separate nothing
-                rows = rows.filter(lambda r: bool(r["text"].strip())).rename_column("text", self.prompt_field)
+                rows = rows.filter(lambda r: bool(r["text"].strip()))
+                if self.prompt_field != "text":
+                    rows = rows.rename_column("text", self.prompt_field)
             return rows
         if self.hub_dataset:
             try:
                 return datasets.load_dataset(self.hub_dataset, split=self.split)
             except Exception as err:  # offline or missing: datasets raises many types from deep inside
-                raise SpecPolicyError(
-                    f"cannot load hub dataset {self.hub_dataset!r} ({err.__class__.__name__}); "
-                    f"check the name and network, or use data.prompts_file=PATH"
-                ) from err
+                why = " ".join(str(err).split())[:300]  # e.g. 'Unknown split "test". Should be one of ['train'].'
+                fix = ("set data.split to one of its splits (data.split=train, say)" if "split" in why.lower() else
+                       "check the name and network, or use data.prompts_file=PATH")
+                raise SpecPolicyError(f"cannot load hub dataset {self.hub_dataset!r} ({err.__class__.__name__}: "
+                                      f"{why}); {fix}") from err
         return _load_file(EMBEDDED)
 
 
@@ -125,11 +135,19 @@ def _load_file(path: Path) -> datasets.Dataset:
     builder = FILE_BUILDERS.get(path.suffix)
     if builder is None:
         raise SpecPolicyError(f"prompts file {path.name!r} has an unknown format; use one of {sorted(FILE_BUILDERS)}")
-    if path.stat().st_size == 0:
-        raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a 'prompt' "
-                              f"field")
+    if builder != "parquet":  # text: pyarrow's JSON reader took bytes that are not UTF-8, and failed on reading rows
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SpecPolicyError(f"prompts file {str(path)!r} is not UTF-8 text (byte {err.object[err.start]:#x} at "
+                                  f"offset {err.start}); save it as UTF-8") from err
+        if not text.strip():  # only blank lines: datasets said 'Instruction "train" corresponds to no data!'
+            raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a "
+                                  f"'prompt' field")
+    # a text file's byte-order mark stayed in its first prompt (the JSON and CSV readers drop it)
+    options = {"encoding": "utf-8-sig"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as err:  # datasets wraps the parser's error: name the innermost one, which says where
         cause = err
         while cause.__cause__ is not None:
