@@ -64,6 +64,8 @@ def train(cfg: DictConfig) -> None:
     check_runtime(cfg.runtime)
     for stage in cfg.stages:  # a setting that would fail a later stage fails now, not after a distillation
         CHECKS.get(stage, lambda _: None)(cfg)
+    if {"profile", "collect"} & set(cfg.stages):  # the stages that decode with the trained draft
+        stages.warn_foreign_draft(cfg, cfg.trained_draft, "train")
     torch.manual_seed(cfg.seed)
     for stage in cfg.stages:
         log.info("stage %s", stage)
@@ -189,12 +191,9 @@ def check_made_for(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
     another target still decodes losslessly (a fair experiment: how well does it transfer?), and so does a policy
     whose latency profile timed another draft or whose depth head learned another pair's acceptance: warnings. A
     latency profile of another target prices every decision of `goodput` and `learned` wrong, so that stops."""
+    stages.warn_foreign_draft(cfg, cfg.draft, "evaluate")
     target = model_identity(settings(cfg, ["target"])["target"])
     draft = model_identity(settings(cfg, ["draft"])["draft"])
-    draft_path = cfg.draft.get("source", {}).get("path")
-    if draft_path and (changed := made_for("evaluate", Path(draft_path), target)):
-        log.warning("evaluate: the draft at %s was distilled for another target (%s): its acceptance is that of a "
-                    "draft made for that one", draft_path, changed)
     for name, policy in policies.items():
         if policy.get("profile"):
             path = profile_file(policy.profile, cfg.runtime.device, cfg.runtime.dtype, cfg.runtime.skinny_gemm)

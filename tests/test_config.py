@@ -202,6 +202,21 @@ def test_evaluating_another_target_with_an_experiment_s_outputs_is_named(tmp_pat
                                            f"another target (target.model_type: qwen2 -> llama)")
 
 
+def test_training_stages_name_a_draft_distilled_for_another_target(tmp_path, monkeypatch, caplog) -> None:
+    """evaluate warned; profile and collect, which decode with the same draft, said nothing."""
+    import specpolicy.pipeline
+
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", "stages=[profile]"], tmp_path)
+    draft = Path(cfg.trained_draft.source.path)
+    draft.mkdir(parents=True)
+    record(draft, {"target": {**model_identity(settings(cfg, ["target"])["target"]), "model_type": "qwen2"}})
+    monkeypatch.setitem(specpolicy.pipeline.STAGES, "profile", lambda cfg: None)
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        train(cfg)
+    assert f"train: the draft at {draft} was distilled for another target (target.model_type: qwen2 -> llama)" in (
+        caplog.text)
+
+
 def test_a_profile_or_head_made_with_another_draft_is_named(tmp_path, monkeypatch, caplog) -> None:
     """`evaluate.py draft=layers` priced drafting with the distilled draft's profile and took the distilled pair's
     acceptance from its head, without a word; the experiment's own draft gets no such warning."""
