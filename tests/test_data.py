@@ -110,9 +110,10 @@ def test_file_quirks_read_as_their_prompts(tmp_path: Path, caplog: pytest.LogCap
     assert PromptSource(prompts_file=str(text)).load() == expected
     assert PromptSource(prompts_file=str(text), prompt_field="text").load() == expected
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text('{"prompt": "a", "split": 1}\n{"prompt": "b", "split": "test"}\n')
+    mixed.write_text('{"prompt": "a", "split": 1}\n{"prompt": "b", "split": "test"}\n{"prompt": "c", "split": ""}\n')
     assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "b"}]]
     assert PromptSource(prompts_file=str(mixed), split="1").load() == [[{"role": "user", "content": "a"}]]
+    assert PromptSource(prompts_file=str(mixed)).splits == ["1", "test"]  # an empty split is none (it was '')
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"prompts": ["a", "b"]}))
     with pytest.raises(SpecPolicyError, match="a .json prompts file must hold a list of objects, one per prompt"):
@@ -141,6 +142,11 @@ def test_a_limit_of_no_prompts_is_refused() -> None:
 def test_prompt_longer_than_context_is_refused() -> None:
     with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64; .* lower engine.max_new_tokens$"):
         encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 100}]], context_length=64)
+    # from a notebook: strings, or a LoadedModel, ended in transformers' "Chat messages should be dicts ... 'h'"
+    with pytest.raises(SpecPolicyError, match="prompt 0 is not a conversation: encode_prompts takes a list of them"):
+        encode_prompts(byte_tokenizer(), ["hello"], context_length=64)
+    with pytest.raises(SpecPolicyError, match="encode_prompts needs a tokenizer .*, got str"):
+        encode_prompts("gpt2", [[{"role": "user", "content": "x"}]], context_length=64)
 
 
 def test_a_conversation_the_chat_template_refuses_is_named() -> None:

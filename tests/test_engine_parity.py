@@ -440,7 +440,9 @@ def test_engine_refuses_what_it_cannot_decode(tiny_model) -> None:
     ([[1, 999]], ArPolicy(), "prompt token 999 is not an id of the target's vocabulary (0..259)"),
     ([[1, -1]], ArPolicy(), "prompt token -1 is not an id"),
     ([1, 2, 3], ArPolicy(), "prompts must be a list of token-id lists"),
-    (torch.tensor([[1, 2]]), ArPolicy(), "prompts must be a list of token-id lists"),
+    (torch.tensor([[[1, 2]]]), ArPolicy(), "prompts must be a list of token-id lists"),
+    ((p for p in [[1, 2]]), ArPolicy(), "prompts must be a list of token-id lists"),  # was "at least one token"
+    ([], ArPolicy(), "no prompts to decode"),
     ([[1, 2]], ArPolicy, "policy must be a DepthPolicy instance"),
     ([[1, 2], [3]], "oracle", "the oracle's reference holds 1 outputs for a batch of 2 prompts"),
 ])
@@ -455,10 +457,14 @@ def test_engine_refuses_misuse_from_a_notebook(tiny_model, prompts, policy, mess
         Engine(target.model, target.model, max_new_tokens=2).generate(prompts, policy)
     with pytest.raises(SpecPolicyError, match="pass target.model, not the LoadedModel"):
         Engine(target)
+    with pytest.raises(SpecPolicyError, match="Engine's target must be a transformers causal LM"):
+        Engine("gpt2")  # was "'str' object has no attribute 'generation_config'"
     with pytest.raises(SpecPolicyError, match="eos_token_id must be a token id or a list of them, got '</s>'"):
         Engine(target.model, eos_token_id="</s>")
     engine = Engine(target.model, max_new_tokens=2, eos_token_id=[np.int64(7)])  # numpy ids are ids
     assert engine.generate([torch.tensor([1, 2])], ArPolicy()).outputs == engine.generate([[1, 2]], ArPolicy()).outputs
+    both = engine.generate([[1, 2], [3, 4]], ArPolicy()).outputs  # a [B, T] tensor of ids was refused as text
+    assert engine.generate(torch.tensor([[1, 2], [3, 4]]), ArPolicy()).outputs == both
 
 
 def test_engine_refuses_a_draft_of_another_vocabulary_or_shorter_context(tiny_model) -> None:

@@ -59,6 +59,17 @@ def test_missing_sources_name_the_fix(path: str, message: str) -> None:
         PretrainedSource(path=path, device="cpu", cache_dir="/tmp").load()
 
 
+def test_sources_and_drafts_name_misuse_from_a_notebook(target) -> None:
+    """`RandomInitSource()` built transformers' full-size Llama (6.7B parameters, out of memory here); a draft
+    built from `target.model` or given a path failed on a missing attribute."""
+    with pytest.raises(SpecPolicyError, match="RandomInitSource needs a config: without one it builds the full-size"):
+        RandomInitSource().load()
+    with pytest.raises(SpecPolicyError, match="a draft is built from the loaded target .*, not from LlamaForCausalLM"):
+        LayerSubsetDraft([0, 1]).build(target.model)
+    with pytest.raises(SpecPolicyError, match=r"PretrainedDraft takes a model source, e.g. PretrainedDraft\("):
+        PretrainedDraft("some/folder")
+
+
 def test_a_peft_adapter_folder_loads_merged_into_its_base_model(target, tmp_path: Path) -> None:
     """What LoRA training saves (adapter_config.json, no config.json) was refused as "not an HF model folder"."""
     from peft import LoraConfig, PeftModel, get_peft_model

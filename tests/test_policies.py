@@ -330,7 +330,7 @@ def test_rows_draft_only_when_it_could_pay(tiny_model) -> None:
     n = 48
 
     def run(draft, prior: float, estimator=trusting):
-        policy = GoodputPolicy(profile, k=4, prior=prior, estimator=estimator)
+        policy = GoodputPolicy(profile, k=4, prior=prior, estimator=estimator, optimism=1.0)  # probes at prior 0.2
         return Engine(target.model, draft.model, max_new_tokens=n).generate([[3, 4, 5]], policy).stats
 
     assert run(target, prior=0.05).draft_forwards == 0
@@ -610,3 +610,17 @@ def test_the_profile_scores_what_each_model_scores_when_decoding(tiny_model, mon
         scored.clear()
         timer(3)
         assert scored == [expected]
+
+
+def test_goodput_from_python_reads_what_the_pipeline_writes(tmp_path: Path) -> None:
+    """Its defaults differed from the sources' and conf/policy/'s: skinny_gemm=False looked for a profile the
+    profile stage does not write on a CPU in fp32, and optimism=1.0 probed as the policies did before 0.5 was
+    chosen. An estimator given as a path was accepted and failed at the first drafting step."""
+    from specpolicy.cost.profile import profile_file
+
+    synthetic.profile().save(profile_file(tmp_path, "cpu", "float32", skinny_gemm=True))  # as the stage names it
+    policy = GoodputPolicy(str(tmp_path), device="cpu")
+    assert policy.optimism == 0.5 and policy.cost.profile.rows == synthetic.ROWS
+    for estimator in (str(tmp_path), HeadEstimator):
+        with pytest.raises(SpecPolicyError, match="estimator must map features to acceptance probabilities"):
+            GoodputPolicy(synthetic.profile(), estimator=estimator)

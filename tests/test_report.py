@@ -253,11 +253,29 @@ def test_greedy_mismatch_is_loud(tmp_path, temperature, loud):
 
 @pytest.mark.parametrize("keep, why", [
     (lambda r: r["policy"] != "ar", "no ar run to compare"),
-    (lambda r: r["policy"] in ("ar", "hf_generate"), "ar is the only engine policy")])
+    (lambda r: r["policy"] in ("ar", "hf_generate"), "ar is the only engine policy"),
+    (None, "the report's meta gives no temperature")])
 def test_a_lossless_check_that_compared_nothing_says_why(tmp_path, keep, why):
-    """Both read "outputs are sampled ... or there is no ar run", and ar alone "all greedy outputs equal ar's"."""
-    write_report(tmp_path, meta(), [r for r in synthetic_runs() if keep(r)], [])
+    """Both read "outputs are sampled ... or there is no ar run", and ar alone "all greedy outputs equal ar's". A
+    report written from Python without the meta's temperature said its greedy outputs were sampled."""
+    runs = [r for r in synthetic_runs() if keep(r)] if keep else synthetic_runs()
+    write_report(tmp_path, meta() if keep else {}, runs, [])
     assert why in (tmp_path / "report.md").read_text() and not read_json(tmp_path)["lossless"]["checked"]
+
+
+def test_the_runner_and_report_name_misuse_from_a_notebook(tiny_model, tmp_path) -> None:
+    """A policy class was decoded as a baseline ("static depth must be an integer >= 0, got [[256, ..."); a batch
+    size past the prompts ended in "every prompt needs at least one token"; side_by_side's own dict handed to
+    write_report in "'str' object has no attribute 'get'"."""
+    model = tiny_model()
+    engine = Engine(model.model, model.model, max_new_tokens=2)
+    with pytest.raises(SpecPolicyError, match="policies must map names to DepthPolicy instances"):
+        side_by_side(engine, [[3, 4]], {"s": StaticPolicy}, 1)
+    with pytest.raises(SpecPolicyError, match="batch size 4 is larger than the prompts given"):
+        side_by_side(engine, [[3, 4]], {"ar": ArPolicy()}, 4)
+    runs = side_by_side(engine, [[3, 4]], {"ar": ArPolicy()}, 1)
+    with pytest.raises(SpecPolicyError, match=r"write_report takes report rows: pass summarise\(side_by_side"):
+        write_report(tmp_path, meta(), runs, [])
 
 
 def test_plots_without_data_say_why():

@@ -57,11 +57,11 @@ class PromptSource:
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self.name}; choose one of "
                                       f"{splits + ['all']}")
-            unsplit = sum(split is None for split in rows["split"])
+            unsplit = sum(split in (None, "") for split in rows["split"])
             if unsplit:  # in no split: only data.split=all reads them
                 log.warning("%d of the %d rows of %s have no `split`; they are in no split (data.split=all reads "
                             "every row)", unsplit, len(rows), self.name)
-            rows = rows.filter(lambda r: r["split"] is not None and str(r["split"]) == self.split)
+            rows = rows.filter(lambda r: r["split"] not in (None, "") and str(r["split"]) == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
         conversations = [self._conversation(row, i) for i, row in enumerate(rows)]
@@ -94,7 +94,7 @@ class PromptSource:
         splits are its own)."""
         if self.hub_dataset and not self.prompts_file or "split" not in self._rows.column_names:
             return None
-        return sorted({str(s) for s in self._rows["split"] if s is not None})  # None: a row without one
+        return sorted({str(s) for s in self._rows["split"] if s not in (None, "")})  # a row without one
 
     @property
     def serves_every_split(self) -> bool:
@@ -219,8 +219,14 @@ def encode_prompts(
 ) -> list[list[int]]:
     """Token ids per prompt, chat template applied; `reserve` tokens of context (engine.max_new_tokens) are kept
     for generation, and a prompt without room for them is refused (training stages skip it: `fitting`)."""
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):  # a LoadedModel: its `.tokenizer`
+        raise SpecPolicyError(f"encode_prompts needs a tokenizer (e.g. LoadedModel.tokenizer), got "
+                              f"{type(tokenizer).__name__}")
     encoded = []
     for i, conversation in enumerate(conversations):
+        if not (isinstance(conversation, list) and all(isinstance(turn, dict) for turn in conversation)):
+            raise SpecPolicyError(f"prompt {i} is not a conversation: encode_prompts takes a list of them, e.g. "
+                                  f"[[{{'role': 'user', 'content': 'Hi'}}]] (PromptSource(...).load() returns one)")
         if tokenizer.chat_template:
             try:  # templates refuse what their model was not trained on (a system turn, two user turns in a row)
                 text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)

@@ -110,6 +110,9 @@ class Engine:
         for role, model in (("target", target), ("draft", draft)):
             if isinstance(model, LoadedModel):  # what every source and draft builder returns
                 raise SpecPolicyError(f"Engine takes models: pass {role}.model, not the LoadedModel")
+            if not (isinstance(model, torch.nn.Module) or role == "draft" and model is None):
+                raise SpecPolicyError(f"Engine's {role} must be a transformers causal LM (e.g. "
+                                      f"PretrainedSource(path=...).load().model), got {model!r:.80}")
         # a peft-wrapped model (get_peft_model) decodes as the HF model its adapters live in: the engine reads
         # `base_model`, which for a PeftModel is the LoRA wrapper around the whole causal LM
         target, draft = unwrap(target), unwrap(draft) if draft is not None else None
@@ -163,12 +166,16 @@ class Engine:
         """`prompts` as lists of ids (a 1-D tensor per prompt is one too), or a SpecPolicyError naming the misuse."""
         if not isinstance(policy, DepthPolicy):
             raise SpecPolicyError(f"policy must be a DepthPolicy instance, e.g. StaticPolicy(k=4); got {policy!r}")
-        if isinstance(prompts, (str, torch.Tensor)) or not all(
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:  # [B, T] ids, a tokenizer's unpadded batch
+            prompts = list(prompts)
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not all(
                 isinstance(p, (list, tuple)) or isinstance(p, torch.Tensor) and p.dim() == 1 for p in prompts):
             raise SpecPolicyError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]]): "
                                   "encode text with the target's tokenizer first")
         prompts = [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
-        if not prompts or any(len(p) == 0 for p in prompts):
+        if not prompts:
+            raise SpecPolicyError("no prompts to decode: pass a list of token-id lists, e.g. [[1, 2, 3]]")
+        if any(len(p) == 0 for p in prompts):
             raise SpecPolicyError("every prompt needs at least one token")
         bad = next((t for p in prompts for t in p if not isinstance(t, Integral) or not 0 <= t < self.vocab), None)
         if bad is not None:

@@ -50,6 +50,9 @@ def write_report(out_dir: str | Path, meta: dict, runs: list[dict], outputs: lis
     out_dir/report.md."""
     if not runs:
         raise SpecPolicyError("write_report got no runs: decode with at least one policy (eval.policies) first")
+    if not (isinstance(runs, list) and all(isinstance(r, dict) for r in runs)):  # side_by_side's dict of runs
+        raise SpecPolicyError("write_report takes report rows: pass summarise(side_by_side(...)), a list per batch "
+                              "size joined into one")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check = lossless(meta, runs)
@@ -80,7 +83,9 @@ def lossless(meta: dict, runs: list[dict]) -> dict:
     exact = meta.get("dtype", "float32") in EXACT_DTYPES
     mismatches = [{"policy": r["policy"], "batch_size": r["batch_size"], "first_mismatch": r["first_mismatch"]}
                   for r in runs if checked and exact and r.get("first_mismatch") is not None]
-    skipped = None if checked else "sampled" if not greedy else "no ar" if not has_ar else "ar alone"
+    known = "temperature" in meta  # `write_report` called from Python without it: not known to be greedy
+    skipped = (None if checked else "unknown" if not known else "sampled" if not greedy else "no ar" if not has_ar
+               else "ar alone")
     return {"checked": checked, "skipped": skipped, "exact": exact, "compared": compared, "mismatches": mismatches}
 
 
@@ -187,7 +192,9 @@ def lossless_lines(check: dict) -> list[str]:
                             "tokens, so 'same as ar' counts coincidences, not errors).",
                  "no ar": "Lossless check skipped: no ar run to compare greedy outputs with (add `ar` to "
                           "eval.policies).",
-                 "ar alone": "Lossless check: nothing to compare, ar is the only engine policy."}[check["skipped"]]]
+                 "ar alone": "Lossless check: nothing to compare, ar is the only engine policy.",
+                 "unknown": "Lossless check skipped: the report's meta gives no temperature, so whether the outputs "
+                            "are greedy is not known (pass meta={'temperature': 0, ...})."}[check["skipped"]]]
     if not check["exact"]:
         return ["Reduced precision: a k-token verify pass rounds differently from a 1-token pass, so greedy outputs "
                 "may differ from ar's without a bug; 'same as ar' is each run's share of prompts with ar's output."]

@@ -93,7 +93,12 @@ def side_by_side(
     (`ar`, first in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so
     the order rotates. Only full batches are decoded: a smaller last batch would be reported as this batch size."""
     check_count("eval.repeats", repeats)
+    if not isinstance(policies, dict) or not all(isinstance(p, DepthPolicy) for p in policies.values()):
+        raise SpecPolicyError(f"policies must map names to DepthPolicy instances, e.g. {{'static_k2': "
+                              f"StaticPolicy(k=2)}}, got {policies!r:.80}")  # a class was decoded as a baseline
     prompts = full_batches(prompts, batch_size, "eval.num_prompts")
+    if not prompts:
+        raise SpecPolicyError(f"batch size {batch_size} is larger than the prompts given: no full batch to decode")
     baselines = baselines or {}
     if clash := sorted(set(policies) & set(baselines)):
         raise SpecPolicyError(f"a baseline has a policy's name: {clash}")

@@ -47,6 +47,14 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers", "index_layers", "rope_scaling_layers")
 
 
+def check_loaded(target: LoadedModel) -> None:
+    """Drafts are built from the target as its source loads it (model and tokenizer), where the engine takes bare
+    models: passing `.model` here ended in "'LlamaModel' object has no attribute 'generation_config'"."""
+    if not isinstance(target, LoadedModel):
+        raise SpecPolicyError(f"a draft is built from the loaded target (e.g. PretrainedSource(...).load()), not "
+                              f"from {type(target).__name__}")
+
+
 @dataclass
 class LayerSubsetDraft:
     """The target's embedding, final norm and head around a subset of its layers (e.g. [0, 1, -2, -1]);
@@ -63,6 +71,7 @@ class LayerSubsetDraft:
         check_bool("draft_fuse_features", self.fuse_features)
 
     def build(self, target: LoadedModel) -> LoadedModel:
+        check_loaded(target)
         source = decoder_layers(target.model)
         n = len(source)
         try:
@@ -149,7 +158,13 @@ class PretrainedDraft:
 
     source: PretrainedSource
 
+    def __post_init__(self) -> None:
+        if not hasattr(self.source, "load"):  # a path: 'str' object has no attribute 'load'
+            raise SpecPolicyError(f"PretrainedDraft takes a model source, e.g. PretrainedDraft(PretrainedSource("
+                                  f"path={self.source!r})), got {type(self.source).__name__}")
+
     def build(self, target: LoadedModel) -> LoadedModel:
+        check_loaded(target)
         draft = self.source.load()
         check_compatible(target, draft)
         vocab = load_vocab(self.source.path)  # a distilled draft may score only part of the vocabulary
@@ -187,6 +202,7 @@ class FreshDraft:
                 check_count(f"draft.{size} (or null for the target's)", getattr(self, size))
 
     def build(self, target: LoadedModel) -> LoadedModel:
+        check_loaded(target)
         config = self._config(target.model.config)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)

@@ -313,6 +313,10 @@ class RandomInitSource:
 
     def load(self) -> LoadedModel:
         check_bool("runtime.skinny_gemm", self.skinny_gemm)
+        if not self.config:  # transformers' defaults: for Llama 6.7B parameters, more memory than a laptop has
+            raise SpecPolicyError(f"RandomInitSource needs a config: without one it builds the full-size default of "
+                                  f"{self.model_type!r}; give a tiny one, e.g. {{'hidden_size': 64, "
+                                  f"'intermediate_size': 128, 'num_hidden_layers': 4, 'num_attention_heads': 4}}")
         tokenizer = byte_tokenizer()
         kwargs = {
             "vocab_size": len(tokenizer),

@@ -55,7 +55,7 @@ import torch
 
 from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile, profile_file
-from specpolicy.errors import check_bool, check_depth, check_number
+from specpolicy.errors import SpecPolicyError, check_bool, check_depth, check_number
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.policy.head import DepthHead
 from specpolicy.rollout.features import COLUMN
@@ -118,15 +118,17 @@ class HeadEstimator:
 
 
 class GoodputPolicy(DepthPolicy):
-    """`profile` is a LatencyProfile, or the profile stage's directory (the file for `device`, `dtype` and
-    `skinny_gemm` is used)."""
+    """`profile` is a LatencyProfile, a profile's .json file, or the profile stage's directory (the file for
+    `device`, `dtype` and `skinny_gemm` is used: the defaults are those of the sources and conf/policy/).
+    `estimator` maps draft features [N, F] to acceptance probabilities [N]: `DraftConfidence()` (the default:
+    `goodput`) or `HeadEstimator(<head folder>)` (`learned`)."""
 
     reads_features = True
 
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
-                 dtype: str = "float32", skinny_gemm: bool = False, prior: float | None = None, strength: float = 4.0,
-                 memory: float = 0.95, optimism: float = 1.0, wait_for_slowest: bool = True):
+                 dtype: str = "float32", skinny_gemm: bool = True, prior: float | None = None, strength: float = 4.0,
+                 memory: float = 0.95, optimism: float = 0.5, wait_for_slowest: bool = True):
         check_number("goodput/learned strength", strength, 0, low_open=True)
         check_number("goodput/learned memory", memory, 0, 1, low_open=True)
         check_number("goodput/learned optimism", optimism, 0)
@@ -138,6 +140,9 @@ class GoodputPolicy(DepthPolicy):
             settings = f"runtime.dtype={dtype} runtime.skinny_gemm={str(skinny_gemm).lower()}"
             profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm), settings)
         self.cost = CostModel(profile)
+        if estimator is not None and (isinstance(estimator, type) or not callable(estimator)):  # a path, a class
+            raise SpecPolicyError(f"goodput/learned estimator must map features to acceptance probabilities, e.g. "
+                                  f"HeadEstimator(<head folder>) or DraftConfidence(), got {estimator!r}")
         self.estimator = estimator or DraftConfidence()
         self._cap_depth(profile, getattr(self.estimator, "positions", None))
         # the acceptance a row is assumed to have before it has drafted: the head's rollout statistics, or 0.5
