@@ -95,6 +95,18 @@ def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
         (["collect.min_prompts_per_size=0"], "collect.min_prompts_per_size must be an integer >= 1, got 0"),
         # a required path left ??? was an omegaconf traceback once the distil stage had loaded the target
         (["draft=pretrained"], "error: draft.source.path must be set (??? in conf/); add draft.source.path=..."),
+        # each ended in a library traceback, or (feature_loss, LoRA's frozen head) trained what was not asked for
+        (["distill/loss=jsd", "distill.loss.beta=abc"], "distill.loss: '<' not supported"),
+        (["+distill.loss.beta=0.5"], "distill.loss: forward_kl() got an unexpected keyword argument 'beta'"),
+        (["+trainer.limit_val_batches=1"], "trainer.limit_val_batches=1: distil's metrics.json reports every"),
+        (["trainer.max_steps=2"], "trainer.val_check_interval=3 is more batches than trainer.max_steps=2"),
+        (["distill.feature_loss=3"], "distill.feature_loss=3 trains a draft that reads the target's features"),
+        (["distill=lora", "distill.lora.r=0"], "distill.lora: `r` should be a positive integer"),
+        (["distill=lora", "distill.lora.target_modules=[q_prj]"], "the draft's linear layers: ['down_proj', "),
+        (["distill=lora", "distill.freeze_embeddings=false"], "LoRA trains adapters only, so the draft's embedding"),
+        (["distill.data.top_k=100000"], "distill.data.top_k=100000 is more than the target's 260 tokens"),
+        (["distill.data.max_new_tokens=5000"], "distill.data.max_new_tokens=5000 leaves no room for a prompt"),
+        (["draft=fresh", "draft.hidden_size=36"], "heads of 9 dimensions, and rotary position embeddings need an even"),
     ],
 )
 def test_bad_distillation_setting_fails_before_training(overrides: list[str], message: str, tmp_path: Path,

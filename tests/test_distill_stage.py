@@ -237,10 +237,15 @@ def test_a_saved_draft_with_a_vocabulary_is_not_distilled_half_narrowed(shared, 
 
 
 def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):
+    """A pretrained draft loaded in runtime.dtype too: bf16 beside the fp32 target, refused as "different
+    devices/dtypes" (so `smollm2_135m_long draft=pretrained` could not distil)."""
     distil(_cfg(shared, "bf16", "draft.layers=[0,-1]", "runtime.dtype=bfloat16", "trainer.max_steps=2",
                 "trainer.val_check_interval=2"))
     config = json.loads((shared / "bf16" / "tiny" / "draft" / "config.json").read_text())
     assert config["dtype"] == "float32"
+    distil(_cfg(shared, "bf16_again", "draft=pretrained", f"draft.source.path={shared / 'bf16' / 'tiny' / 'draft'}",
+                "runtime.dtype=bfloat16", "trainer.max_steps=2", "trainer.val_check_interval=2"))
+    assert _metrics(shared, "bf16_again")["steps"] == 2
 
 
 def test_draft_vocab_with_trainable_embeddings_is_refused(shared):
@@ -321,6 +326,12 @@ def test_prompts_that_are_also_held_out_are_not_trained_on(shared, tmp_path):
     cfg = _cfg(shared, "overlap", f"data.prompts_file={unsplit}", "distill.data.train_prompts=8")  # = validation's 8
     with pytest.raises(SpecPolicyError, match="every train prompt is also a validation or test prompt"):
         _prompt_groups(cfg, target)
+    # its test prompts were its first 4, all validation prompts, reported as "prompts nothing was tuned on"
+    groups = _prompt_groups(_cfg(shared, "overlap", f"data.prompts_file={unsplit}", "distill.data.train_prompts=null"),
+                            target)
+    texts = {name: [c[0]["content"] for c in group] for name, group in groups.items()}
+    assert texts["validation"] == PROMPTS[:8] and texts["test"] == PROMPTS[8:12]
+    assert not set(texts["train"]) & set(PROMPTS[:12])
 
 
 def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):
@@ -352,7 +363,7 @@ def test_a_fused_draft_trains_on_cached_target_features_and_reloads(shared):
     assert engine.generate(prompts, StaticPolicy(k=2)).outputs == plain
     with pytest.raises(SpecPolicyError, match="distill.data.source=target"):
         distil(_cfg(shared, "fused_draft_data", "draft_fuse_features=true", "distill.data.source=draft"))
-    with pytest.raises(SpecPolicyError, match="distill.unroll=1: it trains a feature-fusing draft"):
+    with pytest.raises(SpecPolicyError, match="distill.unroll=1 trains a draft that reads the target's features"):
         distil(_cfg(shared, "unrolled_plain", "distill.unroll=1"))
 
 

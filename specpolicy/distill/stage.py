@@ -62,6 +62,16 @@ def check_distil(cfg: DictConfig) -> None:
     if d.target_probs == "cached" and d.data.top_k == 0:
         raise SpecPolicyError(CACHED_NEEDS_TOP_K)
     check_trainer("trainer", cfg.trainer)
+    for limit in ("limit_val_batches", "limit_test_batches"):  # the before/after metrics would cover part silently
+        value = cfg.trainer.get(limit)
+        if value is not None and not (isinstance(value, float) and value == 1.0):  # Lightning: int 1 is one batch
+            raise SpecPolicyError(f"trainer.{limit}={value}: distil's metrics.json reports every "
+                                  f"held-out prompt; set distill.data.val_prompts / test_prompts to use fewer")
+    every = cfg.trainer.get("val_check_interval")  # in batches, within the one epoch of `StepBatchSampler`
+    batches = cfg.trainer.max_steps * (cfg.trainer.get("accumulate_grad_batches") or 1)
+    if isinstance(every, int) and every > batches and cfg.trainer.get("check_val_every_n_epoch") is not None:
+        raise SpecPolicyError(f"trainer.val_check_interval={every} is more batches than trainer.max_steps="
+                              f"{cfg.trainer.max_steps} trains; set trainer.val_check_interval={cfg.trainer.max_steps}")
     check_number("distill.temperature", d.temperature, 0, low_open=True, why="it divides the logits")
     if d.target_probs == "cached" and d.temperature != 1:  # tempering reshapes the tail the cache spreads evenly
         raise SpecPolicyError(f"distill.temperature={d.temperature} needs the target's whole distribution, and the "
@@ -81,7 +91,10 @@ def check_distil(cfg: DictConfig) -> None:
                                   "top-1 on the draft's responses, which only cached targets keep; set "
                                   "distill.target_probs=cached, or distill.data.source=target")
     uniform = torch.full((1, 2), -math.log(2.0))
-    instantiate(d.loss)(uniform, uniform)
+    try:
+        instantiate(d.loss)(uniform, uniform)
+    except TypeError as err:  # a setting of the wrong type, or one this divergence does not take
+        raise SpecPolicyError(f"distill.loss: {err}; fix its settings (conf/distill/loss/)") from err
     try:  # torch's optimizers refuse a negative lr, betas outside [0, 1), a string, ... when built
         optimizer = instantiate(d.optimizer)([torch.nn.Parameter(torch.zeros(1))])
     except (ValueError, TypeError) as err:
@@ -127,15 +140,19 @@ def distil(cfg: DictConfig) -> None:
     d = cfg.distill
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
-    draft = instantiate(cfg.draft).build(target)
+    check_fits(d, target)
+    # a pretrained draft loaded in runtime.dtype: bf16 beside the fp32 target
+    draft = instantiate(cfg.draft, **({"source": {"dtype": "float32"}} if cfg.draft.get("source") else {}))
+    draft = draft.build(target)
     subset = subset_of(draft.model)
     if subset is not None:  # a saved draft with its draft_vocab.json: the full head it would need is not loaded
         raise SpecPolicyError(f"the draft at {cfg.draft.source.path} scores {len(subset)} tokens ({VOCAB_FILE}); to "
                               f"distil it further, point draft.source.path at a copy of the folder without "
                               f"{VOCAB_FILE} and set distill.draft_vocab={len(subset)} distill.freeze_embeddings=true")
-    if d.unroll and not fuses_features(draft.model):
-        raise SpecPolicyError(f"distill.unroll={d.unroll}: it trains a feature-fusing draft on its own states; "
-                              f"set draft_fuse_features=true, or distill.unroll=0")
+    for setting, value in (("unroll", d.unroll), ("feature_loss", d.feature_loss)):
+        if value and not fuses_features(draft.model):  # feature_loss was accepted and trained nothing
+            raise SpecPolicyError(f"distill.{setting}={value} trains a draft that reads the target's features; set "
+                                  f"draft_fuse_features=true, or distill.{setting}=0")
     groups = _prompt_groups(cfg, target)
     datamodule = _datamodule(cfg, target, draft, groups)
     vocab, full_head = _narrow_head(d, target, draft, datamodule)
@@ -210,6 +227,18 @@ def _held_out(trainer: L.Trainer, module: DistillModule, datamodule: DistillData
     return metrics
 
 
+def check_fits(d: DictConfig, target: LoadedModel) -> None:
+    """The data settings bounded by the target, checked once it loads and before any response is generated (a
+    top_k past the vocabulary failed in torch's topk after all of them were)."""
+    vocab = target.model.config.vocab_size
+    if d.target_probs == "cached" and d.data.top_k > vocab:
+        raise SpecPolicyError(f"distill.data.top_k={d.data.top_k} is more than the target's {vocab} tokens; set "
+                              f"distill.data.top_k={min(64, vocab)}")
+    if d.data.max_new_tokens >= target.context_length - 1:  # was "every prompt is longer than -2953 tokens"
+        raise SpecPolicyError(f"distill.data.max_new_tokens={d.data.max_new_tokens} leaves no room for a prompt in "
+                              f"the target's context of {target.context_length}; lower it")
+
+
 def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule):
     """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones the target writes most
     often on the training rows (FR-Spec; `train_responses`); returns (their ids, the full head to restore), else
@@ -244,6 +273,9 @@ def _trainable(model, d: DictConfig):
             raise SpecPolicyError("LoRA would leave a feature-fusing draft's fusion layer untrained; "
                                   "unset distill.lora")
 
+        if not d.freeze_embeddings:  # peft freezes the base model: the embedding and head would not train
+            raise SpecPolicyError("LoRA trains adapters only, so the draft's embedding and head stay frozen; set "
+                                  "distill.freeze_embeddings=true, or unset distill.lora to train them")
         config = instantiate(d.lora)
         head = model.get_output_embeddings()
         if isinstance(head, SubsetHead):  # peft's all-linear spares the head, not the Linear inside a subset head,
@@ -252,7 +284,12 @@ def _trainable(model, d: DictConfig):
             excluded = config.exclude_modules
             config.exclude_modules = (f"(?:{excluded})|{re.escape(name)}" if isinstance(excluded, str)
                                       else [*(excluded or []), name])
-        model = get_peft_model(model, config)
+        try:
+            model = get_peft_model(model, config)
+        except (ValueError, TypeError) as err:  # r=0, a target module the draft lacks, lora_alpha=abc, ...
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise SpecPolicyError(f"distill.lora: {' '.join(str(err).split())[:300]}; fix its settings (the "
+                                  f"draft's linear layers: {linear})") from err
     return model
 
 
@@ -267,9 +304,16 @@ def _prompt_groups(cfg: DictConfig, target: LoadedModel, train: bool = True) -> 
               if train or split != "train"}
     if data.test_prompts != 0:
         try:
-            groups["test"] = instantiate(cfg.data, split="test", limit=data.test_prompts).load()
+            source = instantiate(cfg.data, split="test", limit=None)
+            test = source.load()
         except SpecPolicyError as err:
             raise SpecPolicyError(f"{err}; or set distill.data.test_prompts=0 to report no test metrics") from None
+        if source.serves_every_split:  # a file without splits: its first rows were the validation prompts too
+            test = without(test, groups["validation"], "distil", None)
+        if test:
+            groups["test"] = test[: data.test_prompts]
+        else:
+            log.warning("distil: %s has no prompts past the validation ones to test on; no test metrics", source.name)
     held_out = [c for split in HELD_OUT for c in groups.get(split, ())]
     if train:  # before its first words open synthetic prompts
         _keep_apart(groups, "train", held_out)

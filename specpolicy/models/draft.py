@@ -226,10 +226,15 @@ class FreshDraft:
         if hidden % heads or heads % kv_heads:
             raise SpecPolicyError(f"draft.hidden_size={hidden} must divide into num_attention_heads={heads}, and "
                                   f"those into num_key_value_heads={kv_heads}; pick sizes that divide")
+        narrowed = (hidden, heads) != (config.hidden_size, config.num_attention_heads)
+        rotary = any(key.startswith("rope") for key in vars(config))  # rotates pairs of each head's dimensions
+        if narrowed and rotary and hidden // heads % 2:  # was a shape error inside RoPE, when its cost was measured
+            raise SpecPolicyError(f"draft.hidden_size={hidden} over {heads} heads gives heads of {hidden // heads} "
+                                  f"dimensions, and rotary position embeddings need an even number; try "
+                                  f"draft.hidden_size={hidden - heads} or {hidden + heads}")
         if self.hidden_size and self.hidden_size > target_config.hidden_size:
             raise SpecPolicyError(f"draft.hidden_size={hidden} is wider than the target's {target_config.hidden_size}")
         scale = hidden / config.hidden_size
-        narrowed = (hidden, heads) != (config.hidden_size, config.num_attention_heads)
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads = hidden, heads, kv_heads
         if getattr(config, "intermediate_size", None):  # GPT-2 and OPT size their MLPs by other names
             config.intermediate_size = self.intermediate_size or int(config.intermediate_size * scale)
