@@ -129,6 +129,8 @@ def test_a_folder_or_an_unknown_split_is_named(tmp_path: Path, caplog: pytest.Lo
     with caplog.at_level("WARNING", logger="specpolicy"):  # dropped without a word
         assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "a"}]]
     assert "1 of the 2 rows of" in caplog.text and "have no `split`; they are in no split" in caplog.text
+    PromptSource(prompts_file=str(mixed)).load()  # distil reads three splits of one file: said once
+    assert caplog.text.count("have no `split`") == 1
     with pytest.raises(SpecPolicyError, match=r"data.split='tset' is not a split of .*; choose one of "
                                               r"\['test', 'train', 'validation', 'all'\]"):
         PromptSource(split="tset").load()

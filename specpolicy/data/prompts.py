@@ -57,10 +57,8 @@ class PromptSource:
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self.name}; choose one of "
                                       f"{splits + ['all']}")
-            unsplit = sum(split in (None, "") for split in rows["split"])
-            if unsplit:  # in no split: only data.split=all reads them
-                log.warning("%d of the %d rows of %s have no `split`; they are in no split (data.split=all reads "
-                            "every row)", unsplit, len(rows), self.name)
+            if unsplit := sum(split in (None, "") for split in rows["split"]):  # only data.split=all reads them
+                _warn_unsplit(self.name, unsplit, len(rows))
             rows = rows.filter(lambda r: r["split"] not in (None, "") and str(r["split"]) == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
@@ -125,6 +123,12 @@ class PromptSource:
                 raise SpecPolicyError(f"cannot load hub dataset {self.hub_dataset!r} ({err.__class__.__name__}: "
                                       f"{why}); {fix}") from err
         return _load_file(EMBEDDED)
+
+
+@functools.cache  # once per file: distil reads three splits of it, evaluate one more
+def _warn_unsplit(name: str, unsplit: int, rows: int) -> None:
+    log.warning("%d of the %d rows of %s have no `split`; they are in no split (data.split=all reads every row)",
+                unsplit, rows, name)
 
 
 def _load_file(path: Path) -> datasets.Dataset:
