@@ -624,3 +624,7 @@ def test_goodput_from_python_reads_what_the_pipeline_writes(tmp_path: Path) -> N
     for estimator in (str(tmp_path), HeadEstimator):
         with pytest.raises(SpecPolicyError, match="estimator must map features to acceptance probabilities"):
             GoodputPolicy(synthetic.profile(), estimator=estimator)
+    with pytest.raises(SpecPolicyError, match="profile must be the profile stage's folder, a profile's .json"):
+        GoodputPolicy(None)
+    with pytest.raises(SpecPolicyError, match=r"CostModel takes a LatencyProfile, e.g. CostModel\(LatencyProfile"):
+        CostModel(str(tmp_path))

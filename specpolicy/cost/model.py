@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from specpolicy.cost.profile import LatencyProfile
+from specpolicy.errors import SpecPolicyError
 
 
 class CostModel:
@@ -25,6 +26,9 @@ class CostModel:
     """
 
     def __init__(self, profile: LatencyProfile):
+        if not isinstance(profile, LatencyProfile):  # a path: "'str' object has no attribute 'rows'"
+            raise SpecPolicyError(f"CostModel takes a LatencyProfile, e.g. CostModel(LatencyProfile.load(path)), got "
+                                  f"{type(profile).__name__}")
         self.profile = profile
         self._log_rows = np.log2(np.asarray(profile.rows, dtype=float))
         self._tokens = np.asarray(profile.tokens, dtype=float)

@@ -136,6 +136,9 @@ class GoodputPolicy(DepthPolicy):
         if prior is not None:
             check_number("goodput/learned prior (or null)", prior, 0, 1)
         self.max_depth = check_depth("goodput/learned", k)
+        if not isinstance(profile, (str, Path, LatencyProfile)):  # None or a dict failed inside pathlib
+            raise SpecPolicyError(f"goodput/learned profile must be the profile stage's folder, a profile's .json "
+                                  f"file or a LatencyProfile, got {profile!r:.80}")
         if not isinstance(profile, LatencyProfile):
             settings = f"runtime.dtype={dtype} runtime.skinny_gemm={str(skinny_gemm).lower()}"
             profile = LatencyProfile.load(profile_file(profile, device, dtype, skinny_gemm), settings)
