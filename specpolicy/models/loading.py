@@ -269,7 +269,12 @@ def _merged_adapter(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         raise SpecPolicyError(f"the peft adapter at {str(folder)!r} names no base model (base_model_name_or_path in "
                               f"{ADAPTER_CONFIG}); set it, or merge the adapter and save the merged model")
     try:
-        model, tokenizer = _from_pretrained(str(PretrainedSource(path=base)._resolve()))  # a typo'd local path too
+        resolved = PretrainedSource(path=base)._resolve()  # a typo'd local path too
+        if resolved.suffix == ".gguf":  # loaded as a hub id, it was "download it where there is network"
+            raise SpecPolicyError(f"a GGUF base loads only converted; point base_model_name_or_path in "
+                                  f"{ADAPTER_CONFIG} at an HF folder (the converted copy under "
+                                  f"paths.cache_dir/models/), or save the merged model")
+        model, tokenizer = _from_pretrained(str(resolved))
     except SpecPolicyError as err:
         raise SpecPolicyError(f"the peft adapter at {str(folder)!r} is for the base model {base!r}: {err}") from err
     if _has_tokenizer(folder):
