@@ -1,10 +1,10 @@
-"""What every entry point shares: offline-by-default wandb, one-line errors instead of tracebacks, and
-benchmark reports saved whole and printed."""
+"""What every entry point shares: one-line errors instead of tracebacks (`entry`, Hydra callbacks for the output
+folders and failed multirun jobs), the training stages' resumable Lightning runs and their checkpoints, the
+offline-by-default wandb logger, and benchmark reports saved whole and printed."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import sys
@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from specpolicy.atomic import atomic_path, check_made_with, record
 from specpolicy.errors import SpecPolicyError
 
-log = logging.getLogger("specpolicy")
 INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was left half-written; rerun the same "
                "command to go on (train.py keeps finished stages, collect shards and distillation checkpoints; "
                "evaluate.py and the benchmarks start over)")

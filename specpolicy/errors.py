@@ -61,12 +61,17 @@ def fitting_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> list[int
     return fitting
 
 
+def is_number(value) -> bool:
+    """A finite real number (not a bool, which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_number(setting: str, value, low: float | None = None, high: float | None = None,
                  low_open: bool = False, high_open: bool = False, why: str = "") -> float:
     """`value` as a finite real number in [low, high] (a bound excluded when `low_open`/`high_open`, none when
     None), or a SpecPolicyError naming `setting` and `why` the bound holds (`engine.temperature=abc` used to end
     in a TypeError traceback)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_number(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:

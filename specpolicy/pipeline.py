@@ -149,19 +149,19 @@ def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Co
                                   f"prompts it never trained on (data.split=test, or another data.prompts_file)")
 
 
-def check_eval_settings(settings: DictConfig) -> None:
+def check_eval_settings(eval_cfg: DictConfig) -> None:
     """Refuse batch sizes, prompt counts and repeats that cannot decode before any model loads (`eval.batch_sizes=[0]`
     used to end in the engine's "every prompt needs at least one token", `[2.5]` in a slicing TypeError)."""
-    check_counts("eval.batch_sizes", settings.batch_sizes)
-    check_bool("eval.hf_baselines", settings.hf_baselines)
-    check_out_dir("eval.out_dir", settings.out_dir)  # found only after decoding
-    if settings.policies.get("ar") is None:
+    check_counts("eval.batch_sizes", eval_cfg.batch_sizes)
+    check_bool("eval.hf_baselines", eval_cfg.hf_baselines)
+    check_out_dir("eval.out_dir", eval_cfg.out_dir)  # found only after decoding
+    if eval_cfg.policies.get("ar") is None:
         log.warning("evaluate: eval.policies has no `ar`: no speedups, and no check that greedy outputs are lossless")
-    check_count("eval.repeats", settings.repeats)
-    if settings.num_prompts is not None:  # null: the whole split
-        check_count("eval.num_prompts", settings.num_prompts)
-    if settings.hf_baselines:  # 0 draft tokens would time assisted generation drafting nothing
-        check_count("eval.hf_assisted_k", settings.hf_assisted_k)
+    check_count("eval.repeats", eval_cfg.repeats)
+    if eval_cfg.num_prompts is not None:  # null: the whole split
+        check_count("eval.num_prompts", eval_cfg.num_prompts)
+    if eval_cfg.hf_baselines:  # 0 draft tokens would time assisted generation drafting nothing
+        check_count("eval.hf_assisted_k", eval_cfg.hf_assisted_k)
 
 
 def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:

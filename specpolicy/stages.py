@@ -217,17 +217,17 @@ def _not_evaluated(cfg: DictConfig, conversations: list, warn: bool = True) -> l
 
 def head(cfg: DictConfig) -> None:
     out = Path(cfg.head.out_dir)
-    saved = Path(cfg.paths.experiment_dir) / "rollouts"
-    made_with = settings(cfg, ["head", "seed"], [saved])
+    rollouts_dir = Path(cfg.paths.experiment_dir) / "rollouts"
+    made_with = settings(cfg, ["head", "seed"], [rollouts_dir])
     if written("head", out, made_with, out / "head.pt"):
         return
     h = cfg.head
-    if not (saved / "dataset_info.json").exists():
-        raise SpecPolicyError(f"no rollouts at {saved}; run the collect stage first (stages=[collect,head])")
-    rollouts = datasets.load_from_disk(str(saved)).with_format("torch")[:]
-    if len(rollouts["group"].unique()) < 2:  # validation takes whole prompts: one would leave nothing to train on
-        raise SpecPolicyError(f"the rollouts at {saved} come from {len(rollouts['group'].unique())} prompt(s); the "
-                              f"head needs 2 or more (delete them and collect again with more train prompts, or "
+    if not (rollouts_dir / "dataset_info.json").exists():
+        raise SpecPolicyError(f"no rollouts at {rollouts_dir}; run the collect stage first (stages=[collect,head])")
+    rollouts = datasets.load_from_disk(str(rollouts_dir)).with_format("torch")[:]
+    if (prompts := len(rollouts["group"].unique())) < 2:  # validation takes whole prompts: none left to train on
+        raise SpecPolicyError(f"the rollouts at {rollouts_dir} come from {prompts} prompt(s); the head needs 2 or "
+                              f"more (delete them and collect again with more train prompts, or "
                               f"collect.min_prompts_per_size=8)")
     features = torch.stack([rollouts[name].float() for name in FEATURE_NAMES], -1)
     L.seed_everything(cfg.seed, workers=True)
@@ -243,12 +243,12 @@ def head(cfg: DictConfig) -> None:
     resumable("head", trainer, h.ckpt_path, made_with)
     run_trainer(trainer, "fit", module, datamodule=data, ckpt_path=h.ckpt_path)
     out.mkdir(parents=True, exist_ok=True)
-    if (saved / TRAINED_ON).exists():  # the prompts of its rollouts, which evaluate must not score it on
-        shutil.copyfile(saved / TRAINED_ON, out / TRAINED_ON)
+    if (rollouts_dir / TRAINED_ON).exists():  # the prompts of its rollouts, which evaluate must not score it on
+        shutil.copyfile(rollouts_dir / TRAINED_ON, out / TRAINED_ON)
     module.head.save(out)  # head.pt last
     # the pair its rollouts decoded, for evaluate to compare with the pair it scores (not compared on a rerun
     # here: "from rollouts" settles that)
-    pair = {k: v for k, v in (read_record("head", saved) or {}).items() if k in ("target", "trained_draft")}
+    pair = {k: v for k, v in (read_record("head", rollouts_dir) or {}).items() if k in ("target", "trained_draft")}
     record(out, {**made_with, **pair})
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
 

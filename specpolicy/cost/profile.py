@@ -9,7 +9,6 @@ change, so the cost model interpolates between measured points instead of fittin
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -21,7 +20,7 @@ from transformers import PreTrainedModel
 
 from specpolicy.atomic import atomic_path
 from specpolicy.decode.cache import RaggedCache, forward
-from specpolicy.errors import SpecPolicyError, check_bool, check_counts
+from specpolicy.errors import SpecPolicyError, check_bool, check_counts, is_number
 from specpolicy.models import skinny
 from specpolicy.models.fusion import timing_features
 from specpolicy.runtime import resolve_device, resolve_dtype, synchronize
@@ -78,20 +77,16 @@ class LatencyProfile:
             if not (isinstance(ms, list) and len(ms) == len(self.rows)
                     and all(isinstance(row, list) and len(row) == len(self.tokens) for row in ms)):
                 return f"its {name} do not fill its {shape} grid"
-            if not all(_finite(v) and v > 0 for row in ms for v in row):
+            if not all(is_number(v) and v > 0 for row in ms for v in row):
                 return f"its {name} are not all numbers > 0"
         overhead = self.draft_step_overhead_ms
         if overhead is None:
             return None
-        if not (isinstance(overhead, list) and len(overhead) == len(self.rows) and all(map(_finite, overhead))):
+        if not (isinstance(overhead, list) and len(overhead) == len(self.rows) and all(map(is_number, overhead))):
             return f"its draft_step_overhead_ms are not one number per row count ({len(self.rows)})"
         if any(ms + row[0] < 0 for ms, row in zip(overhead, self.draft_ms)):  # `cost.overhead` stops there
             return "its draft_step_overhead_ms make a draft position cost less than nothing"
         return None
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bool = False) -> Path:

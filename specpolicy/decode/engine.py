@@ -272,16 +272,16 @@ class Engine:
                 if policy.reads_features:  # softmax statistics over the vocabulary: ~5x an argmax, so on demand
                     features = draft_features(logits, cum, i, state.rows, state.tokens)
                     cum = features[:, COLUMN["cum_top1"]]
-                decides = policy.keep(features, x_i, state, i)
+                keep = policy.keep(features, x_i, state, i)
             drafting &= budget >= i
-            if decides is not None:
-                drafting &= decides
+            if keep is not None:
+                drafting &= keep
                 if not bool(drafting.any()):
                     break  # no row keeps x_i: the target does not verify it
             n_draft += drafting
             tokens.append(x_i)
             dists.append(p_i)
-            if i == depth or (decides is not None and not bool((drafting & (budget > i)).any())):
+            if i == depth or (keep is not None and not bool((drafting & (budget > i)).any())):
                 break  # no row drafts x_{i+1}: the draft need not read x_i
             logits, own = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
                                      host["length"].max() + i - 1, token=x_i, feat=own)

@@ -106,22 +106,6 @@ class DecodeStats:
     def mean_depth(self) -> float:
         return self.drafted / self.row_steps if self.row_steps else 0.0
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s else 0.0
-
     def flops_dict(self) -> dict[str, float]:
         out = dict(zip(BUCKETS, self.flops.tolist()))
         return {**out, "total": float(self.flops.sum()), "ar_equivalent": self.ar_flops}
-
-    def to_dict(self) -> dict:
-        return {
-            "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s,
-            "target_forwards": self.target_forwards, "draft_forwards": self.draft_forwards,
-            "steps": self.steps, "policy_s": self.policy_s,
-            "acceptance_rate": self.acceptance_rate, "mean_accepted": self.mean_accepted,
-            "mean_depth": self.mean_depth, "drafted_at": self.drafted_at.tolist(),
-            "accepted_at": self.accepted_at.tolist(), "reached_at": self.reached_at.tolist(),
-            "flops": self.flops_dict(),
-            "depth_at_load": self.depth_at_load.tolist(), "steps_at_load": self.steps_at_load.tolist(),
-        }

@@ -141,9 +141,7 @@ def distil(cfg: DictConfig) -> None:
     L.seed_everything(cfg.seed, workers=True)
     target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
     check_fits(d, target)
-    # a pretrained draft loaded in runtime.dtype: bf16 beside the fp32 target
-    draft = instantiate(cfg.draft, **({"source": {"dtype": "float32"}} if cfg.draft.get("source") else {}))
-    draft = draft.build(target)
+    draft = fp32_draft(cfg.draft, target)
     subset = subset_of(draft.model)
     if subset is not None:  # a saved draft with its draft_vocab.json: the full head it would need is not loaded
         raise SpecPolicyError(f"the draft at {cfg.draft.source.path} scores {len(subset)} tokens ({VOCAB_FILE}); to "
@@ -202,7 +200,13 @@ def saved_pair(cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
     """The target and a saved draft (`trained_draft`: the experiment's distilled draft, or
     `draft@trained_draft=pretrained trained_draft.source.path=...`) in fp32, as distillation measures them."""
     target = instantiate(cfg.target, dtype="float32").load()
-    return target, instantiate(cfg.trained_draft, source={"dtype": "float32"}).build(target)
+    return target, fp32_draft(cfg.trained_draft, target)
+
+
+def fp32_draft(draft_cfg: DictConfig, target: LoadedModel) -> LoadedModel:
+    """The draft as distillation measures and trains it, in fp32 beside the fp32 target: a pretrained one loaded in
+    runtime.dtype (bf16 in smollm2_135m_long) was refused as another dtype than the target's."""
+    return instantiate(draft_cfg, **({"source": {"dtype": "float32"}} if draft_cfg.get("source") else {})).build(target)
 
 
 def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> dict:

@@ -28,7 +28,7 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, computed as a tall GEMM when `x` holds few float32 rows on a CPU."""
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32:
+    if rows > MAX_ROWS or not applies(x.device, x.dtype):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     out = torch.mm(weight, flat.repeat(2, 1).T if rows == 1 else flat.T).T[:rows]
