@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from specpolicy.atomic import atomic_path, made_for, model_identity, read_record, record, settings, written
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
-from specpolicy.cost.profile import measure, profile_file
+from specpolicy.cost.profile import check_grid, measure, profile_file
 from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, without
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import (
@@ -114,11 +114,7 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
             raise SpecPolicyError(f"profile.overhead_steps must be 0 (no drafting-overhead runs) or an integer >= "
                                   f"{MIN_STEPS} (a steady run of each depth to time), got {p.overhead_steps!r}")
         check_count("profile.overhead_rounds", p.overhead_rounds)
-    rows = check_counts("profile.rows", p.rows, increasing=True)
-    tokens = check_counts("profile.tokens", p.tokens, increasing=True)
-    if tokens[0] != 1:  # the cost model clamps there: plain decoding would be priced as a wider pass
-        raise SpecPolicyError(f"profile.tokens must start at 1 (plain decoding's pass), got {tokens}")
-    return rows, tokens
+    return check_grid(p.rows, p.tokens)
 
 
 def check_collect(cfg: DictConfig) -> None:

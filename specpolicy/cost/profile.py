@@ -65,13 +65,10 @@ class LatencyProfile:
         """What makes a profile (edited by hand, say) unusable by the cost model, or None. A grid listed in
         another order was interpolated as if sorted (numpy's `interp` assumes it), so its costs were silently
         wrong; a zero latency divided by zero mid-decoding; a string one failed inside numpy."""
-        for name, grid in (("rows", self.rows), ("tokens", self.tokens)):
-            try:
-                check_counts(name, grid, increasing=True)
-            except SpecPolicyError as err:
-                return f"its {err}"
-        if self.tokens[0] != 1:
-            return f"its tokens start at {self.tokens[0]}, not at 1 (plain decoding's pass)"
+        try:
+            check_grid(self.rows, self.tokens, "its ")
+        except SpecPolicyError as err:
+            return str(err)
         shape = f"{len(self.rows)} x {len(self.tokens)}"
         for name, ms in (("target_ms", self.target_ms), ("draft_ms", self.draft_ms)):
             if not (isinstance(ms, list) and len(ms) == len(self.rows)
@@ -87,6 +84,16 @@ class LatencyProfile:
         if any(ms + row[0] < 0 for ms, row in zip(overhead, self.draft_ms)):  # `cost.overhead` stops there
             return "its draft_step_overhead_ms make a draft position cost less than nothing"
         return None
+
+
+def check_grid(rows, tokens, prefix: str = "profile.") -> tuple[list[int], list[int]]:
+    """A profile's grid (the profile settings, or a saved profile's fields: `prefix`), which must rise because the
+    cost model interpolates on it, and must time plain decoding's 1-token pass, where the model clamps."""
+    rows = check_counts(f"{prefix}rows", rows, increasing=True)
+    tokens = check_counts(f"{prefix}tokens", tokens, increasing=True)
+    if tokens[0] != 1:
+        raise SpecPolicyError(f"{prefix}tokens must start at 1 (plain decoding's pass), got {tokens}")
+    return rows, tokens
 
 
 def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bool = False) -> Path:
