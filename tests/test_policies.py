@@ -414,7 +414,8 @@ def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
     edits = {  # hand edits: a grid in another order was interpolated as if sorted, silently; the rest failed later
         "target_ms do not fill": {"target_ms": whole["target_ms"][:1]}, "draft_ms do not fill": {"draft_ms": 5},
         "rows must be a non-empty list of distinct integers >= 1 in increasing order": {"rows": whole["rows"][::-1]},
-        "tokens must be a list": {"tokens": "abc"}, "its tokens must start at 1": {"tokens": [t + 1 for t in whole["tokens"]]},
+        "tokens must be a list": {"tokens": "abc"},
+        "its tokens must start at 1": {"tokens": [t + 1 for t in whole["tokens"]]},
         "draft_ms are not all numbers > 0": {"draft_ms": [[0.0] * tokens] * rows},
         "target_ms are not all numbers > 0": {"target_ms": [[None] * tokens] * rows},
         "not one number per row count": {"draft_step_overhead_ms": [1.0]},

@@ -15,7 +15,7 @@ One step, for every row in flight:
   retire  rows at EOS or max_new_tokens leave the batch, so they stop costing compute.
 Plain autoregressive decoding is the same loop with depth 0 (no draft model is even needed).
 Statistics that decoding does not need (FLOP buckets, acceptance histograms) are queued each step and
-settled once the clock stops (`DecodeStats.later`), so the timed loop pays only for decoding.
+flushed once the clock stops (`DecodeStats.later`), so the timed loop pays only for decoding.
 
 What the engine does not know: which policy it runs, or anything about the model family beyond
 the transformers Cache API (`base_model`, `get_output_embeddings`, 4D attention masks).
@@ -157,7 +157,7 @@ class Engine:
             stats.step_s.append(time.perf_counter() - start)
         synchronize(self.device)
         stats.wall_s = time.perf_counter() - t0
-        stats.settle()
+        stats.flush()
         stats.tokens = sum(map(len, outputs))
         return DecodeResult(outputs, stats)
 

@@ -76,12 +76,12 @@ class DecodeStats:
         self.steps_at_load[drafted.numel()] += drafted.numel()
 
     def later(self, charge: Callable[..., None], *args) -> None:
-        """Queue bookkeeping that decoding does not need (FLOP buckets, histograms) for `settle`, after the
+        """Queue bookkeeping that decoding does not need (FLOP buckets, histograms) for `flush`, after the
         clock stops: its few dozen tiny tensor ops per step would otherwise be timed as decoding, which
         `model.generate`, the baseline, never pays. Arguments must not change after queueing."""
         self.pending.append(functools.partial(charge, *args))
 
-    def settle(self) -> None:
+    def flush(self) -> None:
         for charge in self.pending:
             charge()
         self.pending.clear()
