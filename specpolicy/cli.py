@@ -72,7 +72,7 @@ class OutputFolder(Callback):
 
 
 def _check_folder(folder: str) -> None:
-    existing = next(p for p in [Path(folder), *Path(folder).parents] if p.exists())
+    existing = _first_existing(Path(folder))
     if not existing.is_dir():
         print(f"error: {existing} is a file, and this run writes its outputs into folders under it ({folder}); point "
               f"paths.checkpoints_dir at a folder", file=sys.stderr)
@@ -262,9 +262,14 @@ def check_out_dir(setting: str, folder: str | Path) -> None:
     """A folder a run writes into at its end, checked before the work: a file on its path, or a folder this user
     cannot write in, was found by the report's mkdir after all the decoding, as a traceback."""
     folder = Path(folder).expanduser()
-    existing = next(p for p in [folder, *folder.parents] if p.exists())
+    existing = _first_existing(folder)
     if not existing.is_dir():
         raise SpecPolicyError(f"{setting}={folder}: {existing} is a file; point {setting} at a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise SpecPolicyError(f"{setting}={folder}: cannot write in {existing}; point {setting} at a folder you can "
                               f"write in")
+
+
+def _first_existing(folder: Path) -> Path:
+    """`folder`, or the nearest of its parents that exists: where a mkdir of it would start, and fail on a file."""
+    return next(p for p in [folder, *folder.parents] if p.exists())
