@@ -77,9 +77,8 @@ class DistillData:
                                   f"distill.data.temperature > 0 (greedy decoding repeats one response), or 1")
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
-        which = ("train_prompts", "val_prompts", "test_prompts")  # the prompts are hashed themselves
-        if self.temperature == 0:  # a sampled response depends on its batch (each seeds its stream), a greedy one not
-            which += ("batch_size",)
+        # the prompts are hashed themselves; the batch changes no response (a prompt's random stream is its index)
+        which = ("train_prompts", "val_prompts", "test_prompts", "batch_size")
         settings = {k: v for k, v in asdict(self).items() if k not in which}
         return cache_key({"target": fingerprint(target), "generator": fingerprint(generator), "prompts": prompts,
                           "settings": settings, "top_k": top_k})
@@ -130,12 +129,10 @@ def generate_responses(model: PreTrainedModel, prompt_ids: list[list[int]], max_
     from specpolicy.decode import Engine
     from specpolicy.policy import ArPolicy
 
+    engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     out: list[list[int]] = []
     for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, unit="batch"):
-        # The engine seeds row r as (seed, r): a seed per batch keeps batches' random streams apart.
-        engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                        seed=seed * 1_000_003 + start)
-        out += engine.generate(prompt_ids[start:start + batch_size], ArPolicy()).outputs
+        out += engine.generate(prompt_ids[start:start + batch_size], ArPolicy(), first_id=start).outputs  # own streams
     return out
 
 

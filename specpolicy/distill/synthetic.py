@@ -64,7 +64,8 @@ class PromptSynthesis:
                       train: list[Conversation] = ()) -> list[Conversation]:
         """The prompts as conversations, sampled once per (target, settings, openings) and then read from the
         cache. `train` is the real training set whose first words open the messages (with `opening_words`)."""
-        settings = {k: v for k, v in asdict(self).items() if k != "opening_words"}  # batches seed their samples
+        # a prompt's sample does not depend on its batch: its random stream is its index (`generate_responses`)
+        settings = {k: v for k, v in asdict(self).items() if k not in ("opening_words", "batch_size")}
         openings = self.openings(train)
         if openings:
             settings |= {"opening_words": self.opening_words, "openings": openings}
