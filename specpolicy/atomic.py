@@ -110,6 +110,11 @@ def model_identity(source: dict[str, Any]) -> dict[str, Any]:
             for k, v in source.items() if k not in RUNTIME}
 
 
+def identity(cfg: DictConfig, key: str) -> dict[str, Any]:
+    """Which model `cfg.<key>` (a target or draft config) is, as an output's record names it."""
+    return model_identity(settings(cfg, [key])[key])
+
+
 def made_for(stage: str, out: Path, model: dict[str, Any], role: str = "target") -> str | None:
     """What differs between the model `out` was made for in `role` (its record's `target`, or `trained_draft`)
     and `model` (`model_identity`), as "key: old -> new; ..."; None when they agree, or no record says."""

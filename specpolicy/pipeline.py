@@ -19,7 +19,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specpolicy import stages
-from specpolicy.atomic import made_for, model_identity, settings
+from specpolicy.atomic import identity, made_for
 from specpolicy.cli import check_out_dir, experiment_logger, per_job
 from specpolicy.cost.profile import device_name, profile_file
 from specpolicy.data import TRAINED_ON, Conversation, PromptSource, encode_prompts, trained_on
@@ -192,8 +192,8 @@ def check_made_for(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
     whose latency profile timed another draft or whose depth head learned another pair's acceptance: warnings. A
     latency profile of another target prices every decision of `goodput` and `learned` wrong, so that stops."""
     stages.warn_foreign_draft(cfg, cfg.draft, "evaluate")
-    target = model_identity(settings(cfg, ["target"])["target"])
-    draft = model_identity(settings(cfg, ["draft"])["draft"])
+    target = identity(cfg, "target")
+    draft = identity(cfg, "draft")
     for name, policy in policies.items():
         if policy.get("profile"):
             path = profile_file(policy.profile, cfg.runtime.device, cfg.runtime.dtype, cfg.runtime.skinny_gemm)

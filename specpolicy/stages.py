@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specpolicy.atomic import atomic_path, made_for, model_identity, read_record, record, settings, written
+from specpolicy.atomic import atomic_path, identity, made_for, read_record, record, settings, written
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
 from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
 from specpolicy.cost.profile import check_grid, measure, profile_file
@@ -62,7 +62,7 @@ def warn_foreign_draft(cfg: DictConfig, draft_cfg: DictConfig, stage: str) -> No
     """A draft distilled for another target still decodes losslessly (a fair experiment: how well does it
     transfer?), but a stage that used it for this target said nothing."""
     path = draft_cfg.get("source", {}).get("path")
-    target = model_identity(settings(cfg, ["target"])["target"])
+    target = identity(cfg, "target")
     if path and (changed := made_for(stage, Path(path), target)):
         log.warning("%s: the draft at %s was distilled for another target (%s): its acceptance is that of a draft "
                     "made for that one", stage, path, changed)

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import synthetic
 from compose import CONF, compose_config
-from specpolicy.atomic import model_identity, record, settings
+from specpolicy.atomic import identity, record, settings
 from specpolicy.distill.stage import draft_settings
 from specpolicy.cli import bad_input
 from specpolicy.cost.profile import profile_file
@@ -188,7 +188,7 @@ def test_evaluating_another_target_with_an_experiment_s_outputs_is_named(tmp_pat
     latency profile of another target that goodput and learned price their depths with stops evaluate."""
     monkeypatch.setattr("specpolicy.stages.load_pair", lambda *a: pytest.fail("a model loaded"))
     cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast"], tmp_path)
-    other = {"target": {**model_identity(settings(cfg, ["target"])["target"]), "model_type": "qwen2"}}
+    other = {"target": {**identity(cfg, "target"), "model_type": "qwen2"}}
     draft = Path(cfg.draft.source.path)
     draft.mkdir(parents=True)
     record(draft, other)
@@ -209,7 +209,7 @@ def test_training_stages_name_a_draft_distilled_for_another_target(tmp_path, mon
     cfg = compose_config("train", ["experiment=tiny", "debug=fast", "stages=[profile]"], tmp_path)
     draft = Path(cfg.trained_draft.source.path)
     draft.mkdir(parents=True)
-    record(draft, {"target": {**model_identity(settings(cfg, ["target"])["target"]), "model_type": "qwen2"}})
+    record(draft, {"target": {**identity(cfg, "target"), "model_type": "qwen2"}})
     monkeypatch.setitem(specpolicy.pipeline.STAGES, "profile", lambda cfg: None)
     with caplog.at_level("WARNING", logger="specpolicy"):
         train(cfg)
