@@ -19,7 +19,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specpolicy import stages
-from specpolicy.atomic import identity, made_for
+from specpolicy.atomic import identity, made_for, read_record
 from specpolicy.cli import check_out_dir, experiment_logger, per_job
 from specpolicy.cost.profile import device_name, profile_file
 from specpolicy.data import TRAINED_ON, Conversation, PromptSource, encode_prompts, trained_on
@@ -33,7 +33,7 @@ from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import DepthPolicy, OraclePolicy
-from specpolicy.policy.goodput import GoodputPolicy
+from specpolicy.policy.goodput import DraftConfidence, GoodputPolicy, HeadEstimator
 from specpolicy.runtime import check_runtime
 
 log = logging.getLogger("specpolicy")
@@ -96,6 +96,7 @@ def evaluate(cfg: DictConfig) -> None:
     # after the models: a wrong model path is the problem to report, not the artefacts a policy reads
     policies = {name: instantiate(policy) for name, policy in chosen.items()}
     _check_profiled_loads(policies, batch_sizes)
+    _check_sampling(engine, policies)
     _explain_baselines(cfg, engine, draft, batch_sizes)
     logger = experiment_logger(cfg)  # before the decoding it logs: a logger that cannot start fails first
     rows, outputs = [], []
@@ -111,8 +112,8 @@ def evaluate(cfg: DictConfig) -> None:
                     for name, run in runs.items() for i, out in enumerate(run.outputs)]
     meta = {"device": str(engine.device), "hardware": hardware(engine.device), "target": target.name,
             "draft": draft.name, "dtype": cfg.runtime.dtype, "temperature": engine.temperature,
-            "max_new_tokens": engine.max_new_tokens, "num_prompts": len(prompts),
-            "date": datetime.now().isoformat(timespec="seconds")}
+            "top_p": engine.top_p, "seed": engine.seed, "max_new_tokens": engine.max_new_tokens,
+            "num_prompts": len(prompts), "date": datetime.now().isoformat(timespec="seconds")}
     report = write_report(per_job(cfg.eval.out_dir), meta, rows, outputs, logger)
     if logger is not None:
         logger.experiment.finish()
@@ -211,6 +212,32 @@ def check_made_for(cfg: DictConfig, policies: dict[str, DictConfig]) -> None:
                             "%s (%s)", name, head, "target" if role == "target" else "draft", changed)
 
 
+def _check_sampling(engine: Engine, policies: dict[str, DepthPolicy]) -> None:
+    """A goodput policy's acceptance estimates and costs were measured for one way of drawing tokens: a head from
+    greedy rollouts scored a sampled evaluation (where acceptance is min(1, q/p), not an argmax match) silently."""
+    now = _warp(engine.temperature, engine.top_p)
+    for name, policy in policies.items():
+        if not isinstance(policy, GoodputPolicy):
+            continue
+        why = []
+        if isinstance(policy.estimator, HeadEstimator):
+            old = (read_record("evaluate", Path(policy.estimator.path)) or {}).get("engine")  # `stages.head`
+            if isinstance(old, dict) and (was := _warp(old.get("temperature", 0), old.get("top_p", 1))) != now:
+                why.append(f"its depth head learned acceptance from rollouts decoded at {was} (collect rollouts at "
+                           f"these engine settings to train one for them)")
+        elif isinstance(policy.estimator, DraftConfidence) and engine.temperature > 0:
+            why.append("it takes the draft's top-1 probability for greedy acceptance, which sampling's is not")
+        if engine.temperature > 0:
+            why.append("its latency profile timed greedy drafting steps, without a softmax (or top-p's sort) over "
+                       "the vocabulary at each draft position")
+        if why:
+            log.warning("evaluate: eval.policies.%s decodes at %s, but %s", name, now, "; and ".join(why))
+
+
+def _warp(temperature: float, top_p: float) -> str:
+    return "greedy decoding" if temperature == 0 else f"temperature {temperature}, top_p {top_p}"
+
+
 def _check_profiled_loads(policies: dict[str, DepthPolicy], batch_sizes: list[int]) -> None:
     """The cost model clamps past its profile's largest row count: a [1, 4] grid priced 64 rows as 4, silently."""
     for name, policy in policies.items():
@@ -238,10 +265,7 @@ def _explain_baselines(cfg: DictConfig, engine: Engine, draft: LoadedModel, batc
     """Say which of transformers' baselines `eval.hf_baselines=true` cannot run here, and why (`hf_baselines`)."""
     if not cfg.eval.hf_baselines:
         return
-    if engine.temperature > 0:
-        log.warning("evaluate: eval.hf_baselines time greedy decoding only; at temperature %s they are left out",
-                    engine.temperature)
-    elif fuses_features(draft.model):
+    if fuses_features(draft.model):
         log.warning("evaluate: hf_assisted is left out: assisted generation cannot give a draft the target's features")
     elif 1 not in batch_sizes:
         log.warning("evaluate: hf_assisted runs at batch 1 only, which eval.batch_sizes leaves out")
@@ -249,15 +273,16 @@ def _explain_baselines(cfg: DictConfig, engine: Engine, draft: LoadedModel, batc
 
 def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,
                  bs: int) -> dict[str, Baseline]:
-    """transformers' generate at this batch size, and assisted generation at batch 1 (greedy only; not with a
-    draft that fuses the target's features, which `assistant_model=` cannot give it)."""
-    if not cfg.eval.hf_baselines or engine.temperature > 0:
+    """transformers' generate at this batch size, and assisted generation at batch 1 (not with a draft that fuses
+    the target's features, which `assistant_model=` cannot give it), sampling as the engine does."""
+    if not cfg.eval.hf_baselines:
         return {}
     eos, pad, n = target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id, engine.max_new_tokens
-    baselines = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos)}
+    warp = {"temperature": engine.temperature, "top_p": engine.top_p}
+    baselines = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos, **warp)}
     if bs == 1 and not fuses_features(draft.model):
         k = cfg.eval.hf_assisted_k
-        baselines["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, k, eos)
+        baselines["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, k, eos, **warp)
     return baselines
 
 

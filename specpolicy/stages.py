@@ -242,9 +242,10 @@ def head(cfg: DictConfig) -> None:
     if (rollouts_dir / TRAINED_ON).exists():  # the prompts of its rollouts, which evaluate must not score it on
         shutil.copyfile(rollouts_dir / TRAINED_ON, out / TRAINED_ON)
     module.head.save(out)  # head.pt last
-    # the pair its rollouts decoded, for evaluate to compare with the pair it scores (not compared on a rerun
-    # here: "from rollouts" settles that)
-    pair = {k: v for k, v in (read_record("head", rollouts_dir) or {}).items() if k in ("target", "trained_draft")}
+    # the pair its rollouts decoded, and how (`engine`), for evaluate to compare with what it scores (not compared
+    # on a rerun here: "from rollouts" settles that)
+    pair = {k: v for k, v in (read_record("head", rollouts_dir) or {}).items()
+            if k in ("target", "trained_draft", "engine")}
     record(out, {**made_with, **pair})
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
 

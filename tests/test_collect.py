@@ -81,7 +81,7 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     assert (tmp_path / "tiny" / "head" / TRAINED_ON).read_text() == (tmp_path / "tiny" / "rollouts" / TRAINED_ON
                                                                       ).read_text()  # what evaluate checks
     made_for = {k: json.loads((tmp_path / "tiny" / "rollouts.settings.json").read_text())[k]
-                for k in ("target", "trained_draft")}  # the pair evaluate compares with the one it scores
+                for k in ("target", "trained_draft", "engine")}  # what evaluate compares with what it scores
     assert made_for.items() <= json.loads((tmp_path / "tiny" / "head.settings.json").read_text()).items()
     first = rollouts["position"] == 1
     config = json.loads((tmp_path / "tiny" / "head" / "config.json").read_text())

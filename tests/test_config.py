@@ -84,16 +84,26 @@ def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
     assert policies["ar"].max_depth == 0
 
 
-def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path) -> None:
+def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path, caplog) -> None:
     """The default policy set includes the oracle, which exists for greedy decoding only: with a temperature
-    the report holds every other policy instead of an error."""
+    the report holds every other policy instead of an error, and transformers' baselines, sampling too. The
+    goodput policies say what they measured greedily: the depth head's rollouts, top-1 confidence, the profile."""
     cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", "draft=layers", "engine.temperature=0.8",
-                                      "eval.batch_sizes=[2]", "eval.num_prompts=2"], tmp_path)
+                                      "engine.top_p=0.9", "eval.batch_sizes=[1]", "eval.num_prompts=2"], tmp_path)
     fake_artifacts(tmp_path / "tiny")
+    record(tmp_path / "tiny" / "head", {"engine": {"temperature": 0.0, "top_p": 1.0}})  # as `stages.head` keeps it
     evaluate(cfg)
+    warned = {m.split(", but ")[0]: m for m in caplog.messages if m.startswith("evaluate: ") and ", but " in m}
+    assert set(warned) == {f"evaluate: eval.policies.{name} decodes at temperature 0.8, top_p 0.9"
+                           for name in ("goodput", "learned")}
+    assert "rollouts decoded at greedy decoding" in warned[next(k for k in warned if "learned" in k)]
+    assert "top-1 probability" in warned[next(k for k in warned if "goodput" in k)]
+    assert all("latency profile timed greedy drafting" in message for message in warned.values())
     report = json.loads((tmp_path / "tiny" / "report" / "report.json").read_text())
-    assert report["temperature"] == 0.8
-    assert {run["policy"] for run in report["runs"]} == set(cfg.eval.policies) - {"oracle"}
+    assert (report["temperature"], report["top_p"], report["seed"]) == (0.8, 0.9, cfg.engine.seed)
+    assert "- **top p**: 0.9\n" in (tmp_path / "tiny" / "report" / "report.md").read_text()  # told from top_p=1
+    assert {run["policy"] for run in report["runs"]} == set(cfg.eval.policies) - {"oracle"} | {"hf_generate",
+                                                                                             "hf_assisted"}
 
 
 @pytest.mark.parametrize("task, override, message", [

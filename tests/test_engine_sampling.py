@@ -16,6 +16,7 @@ import torch
 
 from conftest import DEVICE
 from specpolicy.decode import Engine, sampling
+from specpolicy.models.draft import LayerSubsetDraft
 from specpolicy.models.vocab import SubsetHead
 from specpolicy.policy import ArPolicy, ConfidencePolicy, DepthPolicy, StaticPolicy
 
@@ -101,6 +102,43 @@ def test_sampling_keeps_the_target_distribution_when_rows_stop_at_different_posi
     assert p_value > 1e-3, f"empirical joint differs from the target's (chi-square p={p_value:.2e})"
 
 
+@pytest.fixture(scope="module")
+def fused_models(tiny_model):
+    """An EAGLE-style draft (`models.fusion`): the target's first layer reading the target's hidden states, with
+    the fusion weights of the features made non-zero so that they change what it drafts."""
+    target = tiny_model("llama", seed=0, **SMALL_VOCAB)
+    draft = LayerSubsetDraft([0], fuse_features=True).build(target).model
+    with torch.no_grad():
+        weight = draft.feature_fusion.proj.weight
+        weight[:, weight.shape[0]:] = 0.3 * torch.eye(weight.shape[0])
+    return target.model, draft
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), WARPS)
+def test_a_fused_draft_keeps_the_target_distribution(fused_models, temperature: float, top_p: float) -> None:
+    counts, acceptance = sampled_joint(fused_models, temperature, top_p)
+    assert 0.2 < acceptance < 0.9
+    p_value = chi_square_p(counts, exact_joint(fused_models[0], PROMPT, NEW, temperature, top_p))
+    assert p_value > 1e-3, f"empirical joint differs from the target's (chi-square p={p_value:.2e})"
+
+
+def test_sampling_keeps_the_target_distribution_up_to_eos_beside_ragged_rows(models) -> None:
+    """Rows that end at EOS mid-step, beside batch mates whose long prompts are read alone (`solo_above`) and
+    short ones: the outputs, cut at EOS, follow the target's law of sequences cut at EOS."""
+    eos, long_prompt = 4, [4, 0, 1, 1, 2, 3] * 5
+    engine = Engine(*models, max_new_tokens=NEW, temperature=1.0, seed=0, eos_token_id=[eos])
+    outputs = engine.generate([PROMPT, long_prompt, [2]] * ROWS, StaticPolicy(k=2)).outputs[::3]
+    padded = torch.tensor([out + [eos] * (NEW - len(out)) for out in outputs])  # after EOS, EOS: one cell per prefix
+    assert (padded[:, 0] == eos).any() and (padded[:, -1] != eos).any()
+    full = torch.arange(V**NEW)[:, None] // V ** torch.arange(NEW - 1, -1, -1) % V  # [V^NEW, NEW] every sequence
+    cut = torch.where((full == eos).long().cummax(1).values.bool(), eos, full)  # every token after the first EOS
+    index = lambda seqs: (seqs * V ** torch.arange(NEW - 1, -1, -1)).sum(1)  # noqa: E731
+    expected = torch.zeros(V**NEW, dtype=torch.float64).index_add_(0, index(cut),
+                                                                   exact_joint(models[0], PROMPT, NEW, 1.0, 1.0))
+    p_value = chi_square_p(torch.bincount(index(padded), minlength=V**NEW), expected)
+    assert p_value > 1e-3, f"empirical joint differs from the target's (chi-square p={p_value:.2e})"
+
+
 def accept_always(draft_tokens, p, q, n_draft, seeds, index):
     """Wrong: keep every draft token, then a bonus token from q."""
     n_acc = n_draft
@@ -175,3 +213,5 @@ def test_the_warped_distribution_is_temperature_then_the_smallest_top_p_set() ->
     assert torch.allclose(sampling.probs(p.log(), 1.0, top_p=0.7), expected)
     assert torch.allclose(sampling.probs(p.log(), 1.0, top_p=0.4), torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 1.0]],
                                                                                    dtype=torch.float64))
+    # near zero, the greedy limit: logits / T overflowed to inf below T ~ 1e-38, and the softmax gave NaN
+    assert torch.equal(sampling.probs(p.log().float(), 1e-40), torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 1.0]]))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpolicy.decode import DecodeStats, Engine
+from specpolicy.decode import DecodeStats, Engine, sampling
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
 from specpolicy.eval.hf_baselines import hf_generate
@@ -20,6 +20,7 @@ from specpolicy.eval.interval import MIN_UNITS
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
+from test_engine_sampling import chi_square_p
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -311,6 +312,18 @@ def test_hf_generate_pads_with_eos_when_the_tokenizer_has_none(tiny_model) -> No
     prompts = [[3, 4, 5], [6, 7]]
     outputs, _ = hf_generate(model, prompts, 4, None, model.generation_config.eos_token_id)
     assert outputs == Engine(model, max_new_tokens=4).generate(prompts, ArPolicy()).outputs
+
+
+def test_hf_generate_samples_as_the_engine_does(tiny_model) -> None:
+    """At temperature > 0 the baselines sample from softmax(logits/T) within top-p, and without the top-k of 50
+    that transformers applies unless told otherwise (a broad tiny model puts most of its mass past the top 50)."""
+    model, prompt = tiny_model().model, [3, 4, 5]
+    torch.manual_seed(0)
+    outputs, _ = hf_generate(model, [prompt] * 4000, 1, None, [], temperature=1.5, top_p=0.95)
+    with torch.no_grad():
+        expected = sampling.probs(model(torch.tensor([prompt])).logits[0, -1].float(), 1.5, 0.95).double()
+    counts = torch.bincount(torch.tensor(outputs)[:, 0], minlength=len(expected))
+    assert chi_square_p(counts, expected) > 1e-3
 
 
 def test_load_aware_policies_are_compared_with_the_best_static_depth():

@@ -44,8 +44,10 @@ def settle(draft_tokens: torch.Tensor, p: torch.Tensor | None, logits: torch.Ten
 
 
 def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """The distribution a row samples from (temperature > 0): softmax(logits/T), restricted to top-p."""
-    p = torch.softmax(logits / temperature, dim=-1)
+    """The distribution a row samples from (temperature > 0): softmax(logits/T), restricted to top-p. The top
+    logit is subtracted first: below T ~ 1e-38 logits/T overflowed to inf, the softmax to NaN, and every row
+    sampled the vocabulary's last id."""
+    p = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = p.sort(dim=-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set with mass >= top_p

@@ -23,11 +23,20 @@ def _timed(fn, device: torch.device) -> tuple[list[list[int]], float]:
     return out, time.perf_counter() - t0
 
 
+def sampling(temperature: float, top_p: float) -> dict:
+    """`generate`'s settings for the engine's sampling: greedy at temperature 0; else softmax(logits/T) within
+    top-p, as `decode.sampling.probs`, with the top-k of 50 that transformers applies by default switched off."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+
+
 @torch.inference_mode()
 def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, pad_id: int | None,
-                eos_id: int | list[int] | None) -> tuple[list[list[int]], float]:
-    """Greedy `model.generate` on one left-padded batch: generated ids per prompt (cut after EOS) and seconds.
-    A tokenizer without a pad token (Llama 3, GPT-2) pads with EOS, as `generate` itself does; the mask hides it."""
+                eos_id: int | list[int] | None, temperature: float = 0.0,
+                top_p: float = 1.0) -> tuple[list[list[int]], float]:
+    """`model.generate` on one left-padded batch: generated ids per prompt (cut after EOS) and seconds. A tokenizer
+    without a pad token (Llama 3, GPT-2) pads with EOS, as `generate` itself does; the mask hides it."""
     if pad_id is None:
         pad_id = (eos_ids(eos_id) or [0])[0]
     width = max(map(len, prompts))
@@ -35,8 +44,8 @@ def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
 
     def run() -> list[list[int]]:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad_id, eos_token_id=eos_id)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                             eos_token_id=eos_id, **sampling(temperature, top_p))
         return [_cut(row[width:].tolist(), eos_id) for row in out]
 
     return _timed(run, model.device)
@@ -51,8 +60,10 @@ def assisted_settings(k: int) -> dict:
 
 @torch.inference_mode()
 def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int,
-                k: int, eos_id: int | list[int] | None) -> tuple[list[list[int]], float]:
-    """Greedy assisted generation (`assistant_model=`), one prompt at a time (it supports batch 1 only)."""
+                k: int, eos_id: int | list[int] | None, temperature: float = 0.0,
+                top_p: float = 1.0) -> tuple[list[list[int]], float]:
+    """Assisted generation (`assistant_model=`; speculative sampling when sampled), one prompt at a time (it
+    supports batch 1 only)."""
     if fuses_features(draft):
         raise SpecPolicyError("transformers' assisted generation cannot pass a draft the target's features; "
                               "compare a feature-fusing draft with the engine's policies only")
@@ -63,8 +74,8 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
         outs = []
         for p in prompts:
             ids = torch.tensor([p], device=target.device)
-            out = target.generate(input_ids=ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=eos_id, **settings)
+            out = target.generate(input_ids=ids, assistant_model=draft, max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_id, **settings, **sampling(temperature, top_p))
             outs.append(_cut(out[0, len(p):].tolist(), eos_id))
         return outs
 

@@ -36,7 +36,8 @@ log = logging.getLogger("specpolicy")
 
 BUCKET_COLOURS = {"useful": "tab:green", "rejected": "tab:red", "padding": "tab:gray"}
 META = {"date": "date", "hardware": "hardware", "device": "device", "dtype": "dtype", "target": "target",
-        "draft": "draft", "temperature": "temperature", "prompts": "num_prompts", "max new tokens": "max_new_tokens"}
+        "draft": "draft", "temperature": "temperature", "top p": "top_p", "seed": "seed", "prompts": "num_prompts",
+        "max new tokens": "max_new_tokens"}
 DASH = "–"
 INTERVAL = "{0[0]:.2f}-{0[1]:.2f}x"  # a (low, high) speedup interval
 VIOLATED = "LOSSLESSNESS VIOLATED"

@@ -85,7 +85,8 @@ def batch_tokens(mean: float | np.ndarray, var: float | np.ndarray, rows: int,
 
 
 class DraftConfidence:
-    """The draft's top-1 probability as its own acceptance estimate (exact for a perfect draft)."""
+    """The draft's top-1 probability as its own estimate of greedy acceptance (exact for a perfect draft); sampled,
+    a token is kept with probability min(1, q/p), which it does not estimate (evaluate says so)."""
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         return features[:, COLUMN["top1"]]
