@@ -206,11 +206,10 @@ def experiment_logger(cfg: DictConfig, stage: str | None = None, checkpoints: st
     run it started (`RUN_ID`), where a killed run and its resumption were two runs of one name."""
     if not cfg.get("logger") or not cfg.logger.get("_target_"):
         return None
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.finish()
-    name = cfg.logger.get("name")
-    extra: dict[str, Any] = {"name": f"{name}-{stage}"} if stage and name else {}
+    finish_run()
+    name, job = cfg.logger.get("name"), _job_number()
+    suffix = [part for part in (stage, None if job is None else f"job{job}") if part]  # jobs' runs told apart
+    extra: dict[str, Any] = {"name": "-".join([name, *suffix])} if suffix and name else {}
     run_file = Path(checkpoints) / RUN_ID if checkpoints else None
     resumes = ckpt_path == "last" and run_file is not None and (run_file.parent / "last.ckpt").exists()
     if resumes and run_file.is_file() and str(cfg.logger._target_).endswith("WandbLogger"):
@@ -239,6 +238,17 @@ def experiment_logger(cfg: DictConfig, stage: str | None = None, checkpoints: st
     return logger
 
 
+def finish_run(logger: Logger | None = None) -> None:
+    """End the stage's logging run (`logger` finalised, the active wandb run finished) as the stage ends: left open,
+    a distillation's run went on through profiling and collection, and a profile stopped with Ctrl-C marked it
+    crashed."""
+    if logger is not None:
+        logger.finalize("success")
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+
+
 def publish(report: dict, out: str | Path) -> None:
     """Save a benchmark's JSON report at `out` (all or nothing: a killed run leaves the previous one; a multirun
     job's in a folder of its own, `per_job`) and print it."""
@@ -249,13 +259,26 @@ def publish(report: dict, out: str | Path) -> None:
 
 
 def per_job(folder: str | Path) -> Path:
-    """`folder` (`~` expanded: it made a folder named `~` here), or in a Hydra multirun a folder in it named after
-    the job's number: every job of an evaluate or benchmark sweep (`-m 'eval.batch_sizes=[1],[8]'`) wrote its
-    report over the one before."""
+    """`folder` (`~` expanded: it made a folder named `~` here), or in a Hydra multirun `<sweep>/<job number>` in it
+    (the sweep's folder name, its start time): every job of an evaluate or benchmark sweep (`-m
+    'eval.batch_sizes=[1],[8]'`) wrote its report over the one before, and then each sweep over the last's."""
     folder = Path(folder).expanduser()
+    job = _job_number()
+    if job is None:
+        return folder
+    return folder / Path(HydraConfig.get().sweep.dir).name / str(job)  # a later sweep's job 0 is another job 0
+
+
+def _job_number() -> int | None:
+    """This job's number in a Hydra multirun; None in a single run (or outside Hydra)."""
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return folder / str(HydraConfig.get().job.num)
-    return folder
+        return HydraConfig.get().job.num
+    return None
+
+
+def job_overrides() -> list[str] | None:
+    """The command-line overrides of this Hydra job (None outside Hydra): which job of a sweep a report is."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
 
 
 def check_out_dir(setting: str, folder: str | Path) -> None:

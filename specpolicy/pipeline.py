@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specpolicy import stages
 from specpolicy.atomic import identity, made_for, read_record
-from specpolicy.cli import check_out_dir, experiment_logger, per_job
+from specpolicy.cli import check_out_dir, experiment_logger, finish_run, job_overrides, per_job
 from specpolicy.cost.profile import device_name, profile_file
 from specpolicy.data import TRAINED_ON, Conversation, PromptSource, encode_prompts, trained_on
 from specpolicy.decode import Engine
@@ -113,10 +113,10 @@ def evaluate(cfg: DictConfig) -> None:
     meta = {"device": str(engine.device), "hardware": hardware(engine.device), "target": target.name,
             "draft": draft.name, "dtype": cfg.runtime.dtype, "temperature": engine.temperature,
             "top_p": engine.top_p, "seed": engine.seed, "max_new_tokens": engine.max_new_tokens,
-            "num_prompts": len(prompts), "date": datetime.now().isoformat(timespec="seconds")}
+            "num_prompts": len(prompts), "overrides": job_overrides(),
+            "date": datetime.now().isoformat(timespec="seconds")}
     report = write_report(per_job(cfg.eval.out_dir), meta, rows, outputs, logger)
-    if logger is not None:
-        logger.experiment.finish()
+    finish_run(logger)
     print(report.read_text().split("![")[0])
     print(f"report: {report} (and report.html, report.json, outputs.jsonl beside it)")
 

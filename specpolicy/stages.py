@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import atomic_path, identity, made_for, read_record, record, settings, written
-from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
+from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
 from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
 from specpolicy.cost.profile import check_grid, measure, profile_file
 from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, without
@@ -248,6 +248,7 @@ def head(cfg: DictConfig) -> None:
             if k in ("target", "trained_draft", "engine")}
     record(out, {**made_with, **pair})
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
+    finish_run()
 
 
 def _dataset(records: torch.Tensor) -> datasets.Dataset:

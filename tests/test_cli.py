@@ -208,9 +208,12 @@ def test_each_job_of_an_evaluate_multirun_writes_its_own_report(tmp_path: Path) 
                "eval.policies.goodput=null", "eval.policies.learned=null", "eval.hf_baselines=false",
                "eval.num_prompts=2", "eval.batch_sizes=[1],[2]", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep,) = (tmp_path / "tiny" / "report").iterdir()  # named as the sweep's folder: a later sweep's job 0 is not
+    assert sweep.name == next((tmp_path / "multirun" / "evaluate").iterdir()).name  # this one's (it overwrote it)
     for job, batch_size in (("0", 1), ("1", 2)):
-        report = json.loads((tmp_path / "tiny" / "report" / job / "report.json").read_text())
+        report = json.loads((sweep / job / "report.json").read_text())
         assert {r["batch_size"] for r in report["runs"]} == {batch_size}
+        assert f"eval.batch_sizes=[{batch_size}]" in report["overrides"]  # which job it is, in the report itself
 
 
 def test_a_multirun_job_with_bad_input_does_not_stop_the_sweep(tmp_path: Path) -> None:
@@ -309,6 +312,15 @@ def test_each_stage_logs_to_a_wandb_run_of_its_own(tmp_path: Path, monkeypatch) 
     refusal = r"logger: wandb could not start a run \(TypeError: .*colour.*\); fix the logger.\* settings"
     with pytest.raises(errors.SpecPolicyError, match=refusal):  # was a TypeError traceback
         experiment_logger(bad, "distil")
+
+
+def test_a_training_stage_ends_its_wandb_run(tmp_path: Path, monkeypatch) -> None:
+    """The distil run stayed open through profile and collect: Ctrl-C there marked a finished distillation crashed."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    train(compose_config("train", ["experiment=tiny", "debug=fast", "logger=wandb", "stages=[distil]"], tmp_path))
+    assert len(list(tmp_path.glob("**/offline-run-*"))) == 1 and wandb.run is None
 
 
 def test_a_resumed_training_logs_on_into_its_wandb_run(tmp_path: Path, monkeypatch) -> None:

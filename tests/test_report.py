@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpolicy.cli import finish_run
 from specpolicy.decode import DecodeStats, Engine, sampling
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
@@ -388,6 +389,16 @@ def test_a_run_killed_while_writing_leaves_the_last_report_whole(tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         write_report(tmp_path, meta(temperature=0.7), synthetic_runs(), [])
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_a_logger_without_tables_gets_the_speedups(tmp_path):
+    """logger=CSVLogger (any Lightning logger is accepted) stopped in an AttributeError after all the decoding."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path / "logs"), name="eval")
+    write_report(tmp_path / "report", meta(), synthetic_runs(), [], logger=logger)
+    finish_run(logger)
+    assert "eval/speedup/oracle@4" in (Path(logger.log_dir) / "metrics.csv").read_text()
 
 
 def test_wandb_offline(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import model_identity, record, settings, written
-from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, resumable, run_trainer
+from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
 from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_prompts, fitting, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
@@ -194,6 +194,7 @@ def distil(cfg: DictConfig) -> None:
     if "test" in after:
         log.info("distil: test agreement %.3f, expected acceptance %.3f (prompts nothing was tuned on)",
                  after["test"]["agreement"], after["test"]["expected_acceptance"])
+    finish_run()
 
 
 def saved_pair(cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:

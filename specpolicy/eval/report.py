@@ -30,14 +30,14 @@ from specpolicy.errors import SpecPolicyError
 from specpolicy.eval.interval import MIN_UNITS, ratio_interval
 
 if TYPE_CHECKING:
-    from lightning.pytorch.loggers import WandbLogger
+    from lightning.pytorch.loggers import Logger
 
 log = logging.getLogger("specpolicy")
 
 BUCKET_COLOURS = {"useful": "tab:green", "rejected": "tab:red", "padding": "tab:gray"}
 META = {"date": "date", "hardware": "hardware", "device": "device", "dtype": "dtype", "target": "target",
         "draft": "draft", "temperature": "temperature", "top p": "top_p", "seed": "seed", "prompts": "num_prompts",
-        "max new tokens": "max_new_tokens"}
+        "max new tokens": "max_new_tokens", "overrides": "overrides"}
 DASH = "–"
 INTERVAL = "{0[0]:.2f}-{0[1]:.2f}x"  # a (low, high) speedup interval
 VIOLATED = "LOSSLESSNESS VIOLATED"
@@ -46,7 +46,7 @@ EXACT_DTYPES = ("float32", "float64")  # where a k-token pass and a 1-token pass
 
 # ---------------------------------------------------------------- entry point
 def write_report(out_dir: str | Path, meta: dict, runs: list[dict], outputs: list[dict],
-                 logger: WandbLogger | None = None) -> Path:
+                 logger: Logger | None = None) -> Path:
     """Writes report.json, outputs.jsonl, report.md, report.html and PNG plots into out_dir; returns
     out_dir/report.md."""
     if not runs:
@@ -68,7 +68,7 @@ def write_report(out_dir: str | Path, meta: dict, runs: list[dict], outputs: lis
             os.replace(path, out / path.name)
     plots = {name: out / path.name for name, path in plots.items()}
     if logger is not None:
-        log_to_wandb(logger, runs, plots)
+        log_report(logger, runs, plots)
     log.info("report written to %s", out / "report.md")
     return out / "report.md"
 
@@ -226,7 +226,8 @@ def title(meta: dict) -> str:
 
 
 def meta_items(meta: dict) -> list[tuple[str, str]]:
-    return [(label, str(meta.get(key, DASH))) for label, key in META.items()]
+    shown = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)  # noqa: E731 (overrides: as typed)
+    return [(label, shown(meta.get(key, DASH))) for label, key in META.items()]
 
 
 # ---------------------------------------------------------------- plots
@@ -405,13 +406,15 @@ def html_page(meta: dict, runs: list[dict], check: dict, plots: dict[str, Path])
 
 
 # ---------------------------------------------------------------- wandb
-def log_to_wandb(logger: WandbLogger, runs: list[dict], plots: dict[str, Path]) -> None:
-    """Raw numbers (not formatted strings), so runs can be compared and re-plotted in wandb."""
-    columns = ["batch_size"] + [h for h, _, _ in COLUMNS]
-    raw = lambda v, spec: cell(v, spec) if isinstance(v, (list, tuple)) else v  # noqa: E731  (an interval: text)
-    data = [[r["batch_size"]] + [raw(value(r), spec) for _, value, spec in COLUMNS] for r in runs]
-    logger.log_table(key="eval/runs", columns=columns, data=data)
-    for name, path in plots.items():
-        logger.log_image(key=f"eval/{name}", images=[str(path)])
+def log_report(logger: Logger, runs: list[dict], plots: dict[str, Path]) -> None:
+    """Raw numbers (not formatted strings), so runs can be compared and re-plotted in wandb; a logger without
+    tables and images (CSVLogger, TensorBoard) gets the speedups (it stopped in an AttributeError after decoding)."""
+    if hasattr(logger, "log_table"):  # WandbLogger (not imported at run time: lightning is slow to import)
+        columns = ["batch_size"] + [h for h, _, _ in COLUMNS]
+        raw = lambda v, spec: cell(v, spec) if isinstance(v, (list, tuple)) else v  # noqa: E731 (an interval: text)
+        data = [[r["batch_size"]] + [raw(value(r), spec) for _, value, spec in COLUMNS] for r in runs]
+        logger.log_table(key="eval/runs", columns=columns, data=data)
+        for name, path in plots.items():
+            logger.log_image(key=f"eval/{name}", images=[str(path)])
     logger.log_metrics({f"eval/speedup/{r['policy']}@{r['batch_size']}": r["speedup"]
                         for r in runs if r.get("speedup") is not None})
