@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
 from specpolicy.atomic import atomic_path
-from specpolicy.cli import entry
+from specpolicy.cli import check_out_dir, entry
 from specpolicy.distill.stage import distil
 from specpolicy.errors import SpecPolicyError, check_count
 
@@ -64,6 +64,7 @@ def bench(args: argparse.Namespace) -> None:
         raise SpecPolicyError("set the training steps with --steps, not trainer.max_steps (each run's folder and "
                               "table row are named after --steps)")
     out, run_dir = Path(args.out), Path(args.out) / "runs"
+    check_out_dir("--out", out)  # a file there was found by the first save, after the first training
     variants = [(shape, loss, f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}")
                 for shape in args.shapes for loss in args.losses]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

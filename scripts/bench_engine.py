@@ -16,22 +16,27 @@ inverse alike, so both read above 1.)
 import logging
 import os
 import statistics
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 
 import hydra
+import torch
+import transformers
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specpolicy.cli import entry, publish
+from specpolicy.cli import check_out_dir, entry, publish
 from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError, check_count, check_counts, fitting_batch_sizes
 from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
+from specpolicy.eval.report import EXACT_DTYPES, VIOLATED
 from specpolicy.eval.runner import Baseline, full_batches, rotated
 from specpolicy.models import LoadedModel
 from specpolicy.models.fusion import fuses_features
+from specpolicy.pipeline import hardware
 from specpolicy.policy import ArPolicy, DepthPolicy, StaticPolicy
 from specpolicy.stages import load_pair
 
@@ -45,6 +50,7 @@ def bench(cfg: DictConfig) -> None:
     for setting in ("repeats", "num_prompts"):
         check_count(f"bench.{setting}", cfg.bench[setting])
     check_settings(cfg.engine)
+    check_out_dir("bench.out", Path(cfg.bench.out).parent)  # found by the save, after all the decoding
     if cfg.engine.temperature:  # transformers' side decodes greedily: a sampled engine would not be comparable
         raise SpecPolicyError(f"bench_engine compares greedy decoding; set engine.temperature=0 (got "
                               f"{cfg.engine.temperature})")
@@ -60,6 +66,7 @@ def bench(cfg: DictConfig) -> None:
                     "pass it: static k is compared with the engine's ar only", draft.name)
     groups = _decoders(cfg, engine, target, draft, batch_sizes, assisted)
     rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
+    outputs: dict[str, list[list[int]]] = {}  # the first round's, to check that every decoder wrote ar's
     batches = {bs: full_batches(prompts, bs, "bench.num_prompts") for bs in groups}  # once: it warns per size
     for bs, group in groups.items():  # warm-up, untimed: every decoder at every batch size
         for decode in group.values():
@@ -69,9 +76,11 @@ def bench(cfg: DictConfig) -> None:
         for bs, group in groups.items():
             for i, start in enumerate(range(0, len(batches[bs]), bs)):
                 for name in rotated(list(group), rep + i):  # none always runs first, into a slow spell
-                    outputs, seconds = group[name](batches[bs][start : start + bs])
+                    written, seconds = group[name](batches[bs][start : start + bs])
                     tokens, wall = rounds[-1].get(name, (0, 0.0))
-                    rounds[-1][name] = [tokens + sum(map(len, outputs)), wall + seconds]
+                    rounds[-1][name] = [tokens + sum(map(len, written)), wall + seconds]
+                    if rep == 0:
+                        outputs.setdefault(name, []).extend(written)
     per_round = [{name: tokens / wall for name, (tokens, wall) in r.items()} for r in rounds]
     rates = {name: statistics.geometric_mean(r[name] for r in per_round) for name in per_round[0]}
     pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in batch_sizes}
@@ -86,10 +95,30 @@ def bench(cfg: DictConfig) -> None:
     report = {"target": target.name, "draft": draft.name, "device": str(engine.device), "dtype": cfg.runtime.dtype,
               "skinny_gemm": cfg.runtime.skinny_gemm, "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
               "repeats": cfg.bench.repeats, "tokens_per_s": rates, "ratios": ratios, "ratio_range": ranges,
-              "ratio_of": {key: list(pair) for key, pair in pairs.items()}}  # which two tokens_per_s each divides
+              "ratio_of": {key: list(pair) for key, pair in pairs.items()},  # which two tokens_per_s each divides
+              "same_as_engine_ar": _same_as_ar(outputs, cfg.runtime.dtype), "hardware": hardware(engine.device),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+              "engine": {"solo_above": engine.solo_above, "max_padding": engine.max_padding},
+              "date": datetime.now().isoformat(timespec="seconds")}
     if assisted:
         report["assisted_settings"] = {k: assisted_settings(k) for k in cfg.bench.ks}
     publish(report, cfg.bench.out)
+
+
+def _same_as_ar(outputs: dict[str, list[list[int]]], dtype: str) -> dict[str, float]:
+    """Per decoder, the share of prompts on which it wrote what the engine's `ar` wrote at its batch size: a ratio
+    of two decoders that wrote different tokens compares different work. In fp32 an engine policy must match on
+    every prompt (`eval.report.lossless`); transformers' kernels and padding may round otherwise."""
+    same = {}
+    for name, written in outputs.items():
+        ar = outputs.get(f"engine_ar@{name.rsplit('@', 1)[1]}")
+        if ar is not None and not name.startswith("engine_ar@"):
+            same[name] = sum(a == b for a, b in zip(ar, written)) / len(ar)
+    if broken := [name for name, share in same.items() if name.startswith("engine_") and share < 1]:
+        if dtype in EXACT_DTYPES:
+            log.error("bench_engine: %s: %s wrote other tokens than the engine's greedy ar (%s)", VIOLATED,
+                      broken, {name: same[name] for name in broken})
+    return same
 
 
 def _decoders(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel, batch_sizes: list[int],

@@ -229,7 +229,9 @@ def test_a_multirun_job_with_bad_input_does_not_stop_the_sweep(tmp_path: Path) -
                                                ("bench.repeats=0", "bench.repeats must be an integer >= 1"),
                                                ("bench.batch_sizes=[32]", "bench.batch_sizes [32] all exceed the 4"),
                                                # transformers' side is greedy: sampled ratios were not like for like
-                                               ("engine.temperature=0.7", "bench_engine compares greedy decoding")])
+                                               ("engine.temperature=0.7", "bench_engine compares greedy decoding"),
+                                               # a file on its path was found by the save, after the decoding
+                                               ("bench.out=/dev/null/engine.json", "bench.out")])
 def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_path: Path) -> None:
     assert_clean_error(run("bench_engine.py", "experiment=tiny", "debug=fast", override, tmp_path=tmp_path), message)
 
@@ -278,6 +280,9 @@ def test_engine_benchmark_reports_ratios_within_rounds(sizes: str, ratios: set[s
         a, b = report["ratio_of"][key]
         assert ratio == pytest.approx(report["tokens_per_s"][a] / report["tokens_per_s"][b], rel=1e-9)
     assert report["assisted_settings"]["1"]["assistant_confidence_threshold"] == 0.0
+    # every decoder wrote the engine's greedy ar output (fp32), and the file says on what it was measured
+    assert report["same_as_engine_ar"] and set(report["same_as_engine_ar"].values()) == {1.0}
+    assert {"hardware", "versions", "engine", "date"} <= set(report)
 
 
 def test_wandb_online_without_a_key_fails_before_the_work(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ the plots and the speedups (offline run directory)."""
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import re
@@ -16,7 +17,7 @@ from specpolicy.cli import finish_run
 from specpolicy.decode import DecodeStats, Engine, sampling
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
-from specpolicy.eval.hf_baselines import hf_generate
+from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.interval import MIN_UNITS
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
@@ -313,6 +314,23 @@ def test_hf_generate_pads_with_eos_when_the_tokenizer_has_none(tiny_model) -> No
     prompts = [[3, 4, 5], [6, 7]]
     outputs, _ = hf_generate(model, prompts, 4, None, model.generation_config.eos_token_id)
     assert outputs == Engine(model, max_new_tokens=4).generate(prompts, ArPolicy()).outputs
+
+
+def test_transformers_baselines_ignore_the_models_own_generation_settings(tiny_model) -> None:
+    """A hub model's generation_config.json may set a repetition penalty or n-gram ban, which `generate` applied:
+    the baseline decoded other tokens (and did more work) than the engine it vouches for."""
+    target, draft = tiny_model().model, tiny_model(seed=1).model
+    prompts, eos = [[3, 4, 5, 3, 4], [6, 7]], target.generation_config.eos_token_id
+    expected = Engine(target, max_new_tokens=8).generate(prompts, ArPolicy()).outputs
+    saved = target.generation_config
+    target.generation_config = copy.deepcopy(saved)
+    target.generation_config.update(repetition_penalty=1.5, no_repeat_ngram_size=1)
+    try:
+        assert hf_generate(target, prompts, 8, None, eos)[0] == expected
+        assert hf_assisted(target, draft, prompts, 8, 2, eos)[0] == expected
+        assert target.generation_config.repetition_penalty == 1.5  # given back as it was
+    finally:
+        target.generation_config = saved
 
 
 def test_hf_generate_samples_as_the_engine_does(tiny_model) -> None:

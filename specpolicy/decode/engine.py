@@ -140,6 +140,8 @@ class Engine:
         """Decode `prompts`; `first_id` numbers them for their random streams (row i draws from stream first_id + i),
         so callers that decode batches of one prompt list give each prompt its own stream: numbered from 0 in every
         batch, row r of every batch drew the same uniforms, and sampled outputs were correlated across batches."""
+        synchronize(self.device)
+        t0 = time.perf_counter()  # setup included, as transformers' generate is timed (`eval.hf_baselines`)
         prompts = self._check(prompts, policy)
         K = policy.max_depth
         policy.reset(len(prompts))
@@ -148,8 +150,6 @@ class Engine:
         caches = RaggedCache(A, cap), RaggedCache(A, cap) if K else None
         stats = DecodeStats(max_depth=K, batch_size=len(prompts))
         outputs: list[list[int]] = [[] for _ in prompts]
-        synchronize(self.device)
-        t0 = time.perf_counter()
         host = rows.host()
         while rows.row_ids.numel():
             start = time.perf_counter()  # each step ends in a device-to-host copy: a synchronising clock

@@ -5,14 +5,32 @@ transformers' assisted generation (`hf_assisted`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import eos_ids
 from specpolicy.runtime import synchronize
+
+
+@contextmanager
+def _neutral(*models: PreTrainedModel) -> Iterator[None]:
+    """The models with a generation_config of transformers' defaults (their token ids kept) while they generate: a
+    hub model's own (repetition_penalty, no_repeat_ngram_size, min_new_tokens, ...) changed what the baseline
+    decoded and what it cost, and `generate` fills every setting it is not given from it."""
+    saved = [model.generation_config for model in models]
+    for model, config in zip(models, saved):
+        model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                                                   pad_token_id=config.pad_token_id)
+    try:
+        yield
+    finally:
+        for model, config in zip(models, saved):
+            model.generation_config = config
 
 
 def _timed(fn, device: torch.device) -> tuple[list[list[int]], float]:
@@ -48,7 +66,8 @@ def hf_generate(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens
                              eos_token_id=eos_id, **sampling(temperature, top_p))
         return [_cut(row[width:].tolist(), eos_id) for row in out]
 
-    return _timed(run, model.device)
+    with _neutral(model):
+        return _timed(run, model.device)
 
 
 def assisted_settings(k: int) -> dict:
@@ -68,7 +87,6 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
         raise SpecPolicyError("transformers' assisted generation cannot pass a draft the target's features; "
                               "compare a feature-fusing draft with the engine's policies only")
     settings = assisted_settings(k)
-    draft.generation_config.update(**settings)
 
     def run() -> list[list[int]]:
         outs = []
@@ -79,7 +97,9 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
             outs.append(_cut(out[0, len(p):].tolist(), eos_id))
         return outs
 
-    return _timed(run, target.device)
+    with _neutral(target, draft):
+        draft.generation_config.update(**settings)  # the assistant drafts by its own generation_config
+        return _timed(run, target.device)
 
 
 def _cut(ids: list[int], eos_id: int | list[int] | None) -> list[int]:
