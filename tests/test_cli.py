@@ -127,7 +127,7 @@ def test_bad_distillation_setting_fails_before_training(overrides: list[str], me
 def test_missing_trained_artifacts_say_which_stage_to_run(tmp_path: Path) -> None:
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert_clean_error(proc, "draft' does not exist; run the distil stage of scripts/train.py for experiment_name=tiny "
-                             "first, or point draft.source.path (for train.py's later stages: "
+                             "first, or point draft.source.path (for train.py's later stages and draft_metrics.py: "
                              "trained_draft.source.path) at a draft folder")
 
 
