@@ -219,6 +219,25 @@ def test_skipped_steps_keep_the_draft_cache_fresh(case: Case, draft: str) -> Non
             assert result.stats.acceptance_rate == 1.0
 
 
+class LooselyTyped(DepthPolicy):
+    """A policy written quickly: float budgets, a Python int, and 0/1 longs for `keep` (each one a torch error
+    mid-decode: gather's dtype two steps on, 'int' has no clamp, or a Long that cannot cast to Bool)."""
+
+    max_depth = 3
+
+    def budget(self, state: StepState):
+        return 2 if int(state.generated.min()) % 2 else torch.full_like(state.generated, 2.5, dtype=torch.float)
+
+    def keep(self, features, tokens, state: StepState, position: int):
+        return (state.row_ids % 2 == 0).long() if position == 2 else None
+
+
+def test_a_loosely_typed_policy_decodes_as_generate(case: Case) -> None:
+    everyone = list(range(len(case.prompts)))
+    result = case.run(LooselyTyped(), "partial", everyone, NO_EOS, N)
+    assert result.outputs == [case.reference(r, NO_EOS, N) for r in everyone] and result.stats.drafted > 0
+
+
 # ---------------------------------------------------------------- stats
 
 
@@ -461,6 +480,8 @@ def test_engine_refuses_misuse_from_a_notebook(tiny_model, prompts, policy, mess
         Engine("gpt2")  # was "'str' object has no attribute 'generation_config'"
     with pytest.raises(SpecPolicyError, match="eos_token_id must be a token id or a list of them, got '</s>'"):
         Engine(target.model, eos_token_id="</s>")
+    with pytest.raises(SpecPolicyError, match="first_id must be an integer >= 0, got 1.5"):
+        Engine(target.model, max_new_tokens=2, temperature=0.7).generate([[1, 2]], ArPolicy(), first_id=1.5)
     engine = Engine(target.model, max_new_tokens=2, eos_token_id=[np.int64(7)])  # numpy ids are ids
     assert engine.generate([torch.tensor([1, 2])], ArPolicy()).outputs == engine.generate([[1, 2]], ArPolicy()).outputs
     both = engine.generate([[1, 2], [3, 4]], ArPolicy()).outputs  # a [B, T] tensor of ids was refused as text

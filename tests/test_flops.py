@@ -98,8 +98,8 @@ class ForwardRecorder:
         self.calls = []
         real = engine_module.forward
 
-        def recorded(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs):
-            self.calls.append((model, tokens.shape[0], tokens.shape[1], kv_len, keep.shape[1]))
+        def recorded(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs):  # keys it scores:
+            self.calls.append((model, tokens.shape[0], tokens.shape[1], min(kv_len, cache.capacity), keep.shape[1]))
             return real(model, cache, tokens, starts, kv_len, keep, max_position, **kwargs)
 
         monkeypatch.setattr(engine_module, "forward", recorded)
@@ -130,6 +130,30 @@ def test_buckets_add_up_to_what_the_forwards_computed(target, drafts, prompts, m
     assert totals["total"] == pytest.approx(sum(totals[b] for b in BUCKETS), rel=1e-12)
     assert totals["total"] == pytest.approx(recorder.flops(), rel=1e-9), \
         f"{policy}: buckets {dict(zip(BUCKETS, stats.flops.tolist()))} vs forwards {recorder.flops():.6g}"
+
+
+@pytest.mark.parametrize("policy", ["ar", "static3"])
+def test_buckets_add_up_when_a_row_read_alone_sets_the_longest_start(target, drafts, prompts, monkeypatch,
+                                                                     policy) -> None:
+    """One new token: the 20-token prompt, read alone, starts the step's forward 19 keys in, and the 7-token one
+    widens it past the cache's capacity, which caps the keys scored; they were charged uncapped."""
+    recorder = ForwardRecorder(monkeypatch)
+    stats = decode(target, drafts["partial"], prompts, POLICIES[policy](), n=1).stats
+    assert stats.flops_dict()["total"] == pytest.approx(recorder.flops(), rel=1e-9)
+
+
+class UnevenBudgets(StaticPolicy):
+    """Row 0 may draft one token, row 1 two: row 0 rides along while the draft reads x_1 for row 1."""
+
+    def budget(self, state):
+        return torch.where(state.row_ids == 0, 1, 2)
+
+
+def test_a_row_that_rides_along_wastes_nothing_of_an_identical_draft(target, drafts) -> None:
+    """Its proposal of x_2, which it was never going to send, was charged as rejected: padding, as the rows that
+    do not draft at all."""
+    stats = decode(target, drafts["same"], [[5, 6, 7], [8, 9]], UnevenBudgets(k=2)).stats
+    assert stats.acceptance_rate == 1.0 and stats.flops[1] == 0
 
 
 def test_a_draft_no_row_keeps_is_not_verified(target, drafts, monkeypatch) -> None:

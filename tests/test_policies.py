@@ -117,6 +117,8 @@ def test_draft_features_from_known_distributions() -> None:
     assert torch.allclose(f[:, COLUMN["margin"]], torch.tensor([0.2, 0.0]))
     assert torch.allclose(f[:, COLUMN["cum_top1"]], torch.tensor([0.4, 0.25]))  # carried product x this top1
     assert f[:, [COLUMN["position"], COLUMN["rows"], COLUMN["tokens"]]].tolist() == [[2, 5, 300]] * 2
+    one = draft_features(torch.zeros(2, 1), torch.ones(2), 1, rows=2, tokens=9)  # a one-token draft vocabulary:
+    assert one[:, COLUMN["margin"]].tolist() == [1.0, 1.0]  # no runner-up (topk(2) failed)
 
 
 class SeesFeatures(StaticPolicy):

@@ -140,6 +140,7 @@ class Engine:
         """Decode `prompts`; `first_id` numbers them for their random streams (row i draws from stream first_id + i),
         so callers that decode batches of one prompt list give each prompt its own stream: numbered from 0 in every
         batch, row r of every batch drew the same uniforms, and sampled outputs were correlated across batches."""
+        check_int("first_id", first_id, 0)  # a float reached the random streams' bit arithmetic
         synchronize(self.device)
         t0 = time.perf_counter()  # setup included, as transformers' generate is timed (`eval.hf_baselines`)
         prompts = self._check(prompts, policy)
@@ -221,7 +222,8 @@ class Engine:
         decides = not (self.fuse and bool((host["t_len"] + 1 < host["length"]).any()))
         if decides:
             with stats.deciding():  # the bonus token always comes
-                budget = policy.budget(state).clamp(0, policy.max_depth).minimum(remaining - 1)
+                budget = torch.as_tensor(policy.budget(state), device=self.device).long()  # 2.5 or an int: a
+                budget = budget.clamp(0, policy.max_depth).minimum(remaining - 1)  # gather's traceback two steps on
         else:
             budget = torch.zeros_like(remaining)
         depth = int(budget.max())
@@ -242,8 +244,8 @@ class Engine:
             with stats.deciding():
                 policy.observe(state, drafted, accepted)
         stats.later(stats.record_step, drafted.cpu(), accepted.cpu())
-        stats.later(self._account, stats, host, (budget.cpu(), n_draft.cpu(), (n_new - 1).cpu()), drafts.shape[1],
-                    fed)
+        stats.later(self._account, stats, host, (budget.cpu(), n_draft.cpu(), (n_new - 1).cpu(), accepted.cpu()),
+                    drafts.shape[1], fed, caches[0].capacity)
         return self._retire(rows, new_host, finished, caches, outputs)
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
@@ -275,7 +277,7 @@ class Engine:
                 keep = policy.keep(features, x_i, state, i)
             drafting &= budget >= i
             if keep is not None:
-                drafting &= keep
+                drafting &= torch.as_tensor(keep, device=self.device).bool()  # 0/1 longs failed in the &=
                 if not bool(drafting.any()):
                     break  # no row keeps x_i: the target does not verify it
             n_draft += drafting
@@ -395,35 +397,38 @@ class Engine:
         rows.generated = rows.generated + n_new
         return hit | (rows.generated >= self.max_new_tokens), n_new
 
-    def _account(self, stats: DecodeStats, old: dict, drafted_kept: tuple[torch.Tensor, ...], depth: int,
-                 fed: int | None) -> None:
+    def _account(self, stats: DecodeStats, old: dict, counts: tuple[torch.Tensor, ...], depth: int,
+                 fed: int | None, capacity: int) -> None:
         """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters.
 
         `depth` draft tokens per row went to the target; `kept` counts the drafts whose slots produced a
-        committed token (a read of EOS produces none); `fed` is None when the draft did not run. The LM heads
-        run where `_draft` and `_verify` keep logits: each draft forward's last token per row, and the target's
-        last committed token and every draft slot; plain decoding scores each of its tokens but the last. A
-        draft head's row goes with the token it proposes (`FlopModel.proposals`): the proposal of x_1 that a
-        policy looked at and did not send was thrown away, though the committed tokens read with it were kept."""
-        budget, n_draft, kept = drafted_kept
+        committed token (a read of EOS produces none), `accepted` the drafts committed (an EOS among them too);
+        `fed` is None when the draft did not run. The LM heads run where `_draft` and `_verify` keep logits:
+        each draft forward's last token per row, and the target's last committed token and every draft slot;
+        plain decoding scores each of its tokens but the last. A draft head's row goes with the token it
+        proposes (`FlopModel.proposals`): the proposal of x_1 that a policy looked at and did not send was thrown
+        away, though the committed tokens read with it were kept. A forward scores at most the cache's
+        `capacity` keys (`RaggedCache.begin`), however far past it a row read alone puts the longest start."""
+        budget, n_draft, kept, accepted = counts
         length = old["length"]
         t_unseen = length - old["t_len"]
         t_width = int(t_unseen.max()) + depth
-        stats.flops += self.t_flops.buckets(old["t_len"], t_width, int(old["t_len"].max()) + t_width,
+        stats.flops += self.t_flops.buckets(old["t_len"], t_width, min(int(old["t_len"].max()) + t_width, capacity),
                                             t_unseen + kept, t_unseen + n_draft, (t_unseen - 1, depth + 1))
         stats.ar_flops += float(self.t_flops.prefix(old["t_len"], t_unseen + kept, kept + 1).sum())
         if fed is None:
             return
         d_unseen = length - old["d_len"]
         d_width = int(d_unseen.max())
-        d_end = int(old["d_len"].max()) + d_width
+        d_end = min(int(old["d_len"].max()) + d_width, capacity)
         stats.flops += self.d_flops.buckets(old["d_len"], d_width, d_end, d_unseen, d_unseen)
-        stats.flops += self.d_flops.proposals(budget > 0, kept >= 1)
+        stats.flops += self.d_flops.proposals(budget > 0, accepted >= 1)
         for i in range(1, fed + 1):  # the draft read x_i: kept if the target accepted it, unless the draft fuses
             read = (n_draft >= i).long()  # features: it rereads every kept x_i with the target's (`_commit`)
             kept_i = read * (kept >= i) * (not self.fuse)
             stats.flops += self.d_flops.buckets(length + i - 1, 1, int(length.max()) + i, kept_i, read)
-            stats.flops += self.d_flops.proposals(read.bool(), kept >= i + 1)
+            # a row whose budget ended at x_i rode along in this read: its proposal of x_(i+1) is padding
+            stats.flops += self.d_flops.proposals(read.bool() & (budget > i), accepted >= i + 1)
 
     def _retire(self, rows: Rows, host: dict, finished: torch.Tensor, caches: tuple, outputs: list[list[int]]) -> dict:
         """Move finished rows' outputs out and drop them from the batch and the caches."""

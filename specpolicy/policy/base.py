@@ -26,7 +26,7 @@ class StepState:
 class DepthPolicy:
     """Base policy: never drafts. Subclasses override what they decide."""
 
-    max_depth: int = 0  # upper bound on any row's depth; 0 = this policy never needs a draft model
+    max_depth: int = 0  # upper bound on any row's depth (the engine cuts budgets to it); 0 = never drafts
     greedy_only: bool = False  # True for policies that are only meaningful for greedy decoding
     reads_features: bool = False  # True if `keep` reads the draft features (the engine computes them only then)
 

@@ -26,7 +26,8 @@ def draft_features(
     """logits [B, V], cum_top1 [B] (product of top1 before this position) -> features [B, F]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
-    top2 = p.topk(2, dim=-1).values  # [B, 2]
+    top2 = p.topk(min(2, p.shape[-1]), dim=-1).values  # [B, 2]; a one-token draft vocabulary has no runner-up:
+    top2 = torch.nn.functional.pad(top2, (0, 2 - top2.shape[-1]))  # margin = top1
     entropy = -(p * logp).nan_to_num().sum(-1)
     B = logits.shape[0]
     const = lambda v: torch.full((B,), float(v), device=logits.device)  # noqa: E731
