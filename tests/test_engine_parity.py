@@ -414,6 +414,22 @@ def test_sliding_window_layers_decode_as_generate(tiny_model, family: str, confi
             assert engine.generate([prompts[r] for r in rows], policy).outputs == [refs[r] for r in rows]
 
 
+def test_a_sliding_window_the_attention_ignores_is_not_applied(tiny_model, caplog) -> None:
+    """Llama's config stores `sliding_window` and its attention never reads it: the engine masked every layer by it
+    and decoded other tokens than the model's forward. (transformers' generate crops its cache to it instead: a
+    third answer, which the warning names.)"""
+    target = tiny_model("llama", sliding_window=6)
+    plain = tiny_model("llama")  # the same weights without the key: what the forward computes, cache or not
+    prompts = [list(range(3, 23)), [5, 6, 7]]
+    refs = [plain.model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=14, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        engine = Engine(target.model, target.model, max_new_tokens=14, eos_token_id=[])
+    assert "sets sliding_window=6, which llama's attention does not read" in caplog.text
+    for policy in (ArPolicy(), StaticPolicy(k=3)):
+        assert engine.generate(prompts, policy).outputs == refs
+
+
 def test_attention_layers_the_masks_cannot_express_are_refused(tiny_model) -> None:
     target = tiny_model("qwen2")
     config = copy.deepcopy(target.model.config)
@@ -497,10 +513,13 @@ def test_engine_refuses_a_draft_of_another_vocabulary_or_shorter_context(tiny_mo
         Engine(target.model, tiny_model(max_position_embeddings=16).model)
 
 
-@pytest.mark.parametrize("model_type, config", [("bloom", {}), ("falcon", {"alibi": True}), ("rwkv", {})])
+@pytest.mark.parametrize("model_type, config", [("bloom", {}), ("falcon", {"alibi": True}), ("rwkv", {}),
+                                                ("gpt_neo", {"attention_types": [[["global", "local"], 2]]})])
 def test_models_the_engine_cannot_steer_are_refused(model_type: str, config: dict) -> None:
     """Bloom and Falcon's ALiBi build their biases from a 2D mask (crashes at batch 2); RWKV takes the cache and
-    ignores it (wrong outputs, silently)."""
+    ignores it, and GPT-Neo's local layers place their window by the whole cache's length (wrong outputs,
+    silently)."""
     model = RandomInitSource(model_type, {**TINY, **config}, device=str(DEVICE)).load().model
-    with pytest.raises(SpecPolicyError, match="ALiBi builds its position biases|did not use the engine's KV cache"):
+    with pytest.raises(SpecPolicyError, match="ALiBi builds its position biases|did not use the engine's KV cache|"
+                                              "local attention layers place their window"):
         Engine(model, max_new_tokens=2).generate([[1, 2], [3]], ArPolicy())

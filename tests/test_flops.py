@@ -88,6 +88,19 @@ def test_prefix_is_a_sum_of_per_token_costs(tiny_model, family: str) -> None:
     assert flops.prefix(starts, n).tolist() == pytest.approx(unscored, rel=1e-12)
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_through(tiny_model) -> None:
+    """transformers stacks experts as [E, out, in] parameters and routes each token through num_experts_per_tok
+    of them: those stacks (and the router) were not Linear modules, and were left out."""
+    model = tiny_model("mixtral", num_local_experts=4, num_experts_per_tok=2).model
+    layers, d, ffn, vocab = model.config.num_hidden_layers, model.config.hidden_size, model.config.intermediate_size, \
+        model.config.vocab_size
+    dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # attention, LM head
+    experts = layers * 2 * (2 * ffn * d + d * ffn)  # 2 of 4 experts: gate+up [2 ffn, d] and down [d, ffn]
+    router = layers * 4 * d
+    assert FlopModel.from_model(model).matmul_params == dense + experts + router
+    assert dense < experts and FlopModel.from_model(model).head_params == vocab * d
+
+
 # ---------------------------------------------------------------- the engine's buckets
 
 

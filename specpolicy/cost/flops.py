@@ -34,9 +34,35 @@ from specpolicy.models.fusion import unwrap
 BUCKETS = ("useful", "rejected", "padding")
 
 
+def matmul_params(module: torch.nn.Module) -> float:
+    """The weights a token multiplies by: every Linear's (or GPT-2's Conv1D's); of experts stacked as [E, out, in]
+    parameters (transformers' mixtures of experts), the share of the E a token is routed through
+    (`num_experts_per_tok`); and a router's [E, d] weights. Those stacks were left out: a tiny Mixtral counted
+    its attention and LM head only, a seventh of its active weights."""
+    total = 0.0
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Linear, Conv1D)):
+            total += m.weight.numel()
+        elif not isinstance(m, torch.nn.Embedding):
+            own = list(m.parameters(recurse=False))
+            if stacked := [p for p in own if p.dim() == 3]:  # per-expert biases ([E, out]) are no matmul
+                total += sum(p.numel() for p in stacked) * _routed_share(module, stacked[0].shape[0])
+            else:
+                total += sum(p.numel() for p in own if p.dim() == 2)
+    return total
+
+
+def _routed_share(module: torch.nn.Module, experts: int) -> float:
+    config = getattr(module, "config", None)
+    active = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)
+    if not active:  # not a whole model, or a family that names it otherwise: an upper bound
+        return 1.0
+    return min(int(active), experts) / experts
+
+
 @dataclass(frozen=True)
 class FlopModel:
-    matmul_params: int
+    matmul_params: float
     n_layer: int
     d_attn: int
     sliding_layers: int = 0  # of the n_layer, those that read only their last `window` keys
@@ -45,14 +71,12 @@ class FlopModel:
 
     @classmethod
     def from_model(cls, model: PreTrainedModel) -> FlopModel:
-        """Matmul weights counted from the modules (exact for any family: GQA, gated MLPs, tied heads)."""
-        matmuls = lambda module: sum(m.weight.numel() for m in module.modules()  # noqa: E731
-                                     if isinstance(m, (torch.nn.Linear, Conv1D)))
+        """Matmul weights counted from the modules (GQA, gated MLPs, tied heads, mixtures of experts)."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         sliding, window = sliding_layers(cfg)
-        return cls(matmuls(model), cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, sliding, window or 0,
-                   matmuls(unwrap(model).get_output_embeddings()))
+        return cls(matmul_params(model), cfg.num_hidden_layers, cfg.num_attention_heads * head_dim, sliding,
+                   window or 0, matmul_params(unwrap(model).get_output_embeddings()))
 
     @property
     def head(self) -> float:

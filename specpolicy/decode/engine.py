@@ -23,6 +23,7 @@ the transformers Cache API (`base_model`, `get_output_embeddings`, 4D attention 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -37,6 +38,7 @@ from specpolicy.decode import sampling
 from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.decode.stats import DecodeStats
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
+from specpolicy.models.attention import ignored_window
 from specpolicy.models.compat import check_models
 from specpolicy.models.fusion import fuses_features, unwrap
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
@@ -44,6 +46,8 @@ from specpolicy.models.vocab import subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
 from specpolicy.runtime import synchronize
+
+log = logging.getLogger("specpolicy")
 
 
 @dataclass
@@ -125,6 +129,12 @@ class Engine:
         self.device = target.device
         self.eos = torch.tensor(eos, dtype=torch.long, device=self.device)
         self.context = context_length(target.config)
+        for role, model in (("target", target), ("draft", draft)):
+            if model is not None and (window := ignored_window(model.config)) and window < self.context:
+                log.warning("the %s's config sets sliding_window=%d, which %s's attention does not read: the engine "
+                            "attends to the whole prefix, as its forward does, where transformers' generate crops its "
+                            "cache to the window (set config.sliding_window = None for generate to agree)", role,
+                            window, model.config.model_type)
         self.vocab = target.get_output_embeddings().weight.shape[0]
         # reading each config's attention layers, these refuse those the engine's masks cannot express
         self.t_flops = FlopModel.from_model(target)

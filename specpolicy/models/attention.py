@@ -6,8 +6,12 @@ Mistral- or Qwen2-style model is masked, trained and charged the same way transf
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 import torch
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from specpolicy.errors import SpecPolicyError
 
@@ -16,21 +20,49 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 def sliding_layers(config: PretrainedConfig) -> tuple[int, int | None]:
     """(how many layers slide, over how many of their last keys), or (0, None) when every layer sees its whole
-    prefix. Without `layer_types` (Mistral) a window applies to every layer; with them (Qwen2, Gemma) to those
-    typed `sliding_attention`. A model with other kinds of layers (chunked, linear attention), or whose ALiBi needs
-    a 2D mask (Bloom, Falcon's option), is refused."""
+    prefix. Without `layer_types` (Mistral) a window applies to every layer of a family whose code applies one;
+    with them (Qwen2, Gemma) to those typed `sliding_attention`. A model with other kinds of layers (chunked,
+    linear attention), whose ALiBi needs a 2D mask (Bloom, Falcon's option), or that places its own window (GPT-Neo)
+    is refused."""
     if config.model_type == "bloom" or getattr(config, "alibi", False) is True:  # Falcon's option
         raise SpecPolicyError(f"{config.model_type} with ALiBi builds its position biases from a 2D padding mask, "
                               f"which cannot say where each row's cache ends; specpolicy needs a model that takes a 4D "
                               f"attention mask (RoPE or learned positions, or MPT's ALiBi)")
+    if "local" in (getattr(config, "attention_layers", None) or ()):  # GPT-Neo: rows of other lengths decoded wrong
+        raise SpecPolicyError(f"{config.model_type}'s local attention layers place their window by the length of the "
+                              f"whole cache, not of each row, so a batch of rows of other lengths cannot decode "
+                              f"exactly; specpolicy needs a model whose attention takes a 4D mask alone")
     types = getattr(config, "layer_types", None)
     unknown = sorted(set(types or ()) - set(ATTENTION_TYPES))
     if unknown:
         raise SpecPolicyError(f"{config.model_type} has {unknown} attention layers; specpolicy supports "
                               f"{list(ATTENTION_TYPES)} only")
     window = getattr(config, "sliding_window", None)  # Qwen2-MoE writes 0 for none
+    if ignored_window(config):  # masking by it decoded other tokens than the model's forward
+        return 0, None
     n = config.num_hidden_layers if types is None else types.count("sliding_attention")
     return (n, int(window)) if window and n else (0, None)
+
+
+def ignored_window(config: PretrainedConfig) -> int | None:
+    """A `sliding_window` the config holds and the family's attention code never reads (Llama's config stores the
+    key, and a "llamafied" checkpoint may carry it), or None. The engine attends to the whole prefix, as the
+    model's forward does; transformers' generate instead crops its cache to the window once past it."""
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "layer_types", None) is None and not _applies_window(type(config)):
+        return int(window)
+    return None
+
+
+@functools.cache
+def _applies_window(config_class: type[PretrainedConfig]) -> bool:
+    """Whether a family without `layer_types` applies a `sliding_window` its config holds (Mistral's modeling code
+    does; Llama's does not), told by the code of the family's causal LM class."""
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[config_class]
+    except KeyError:  # a family transformers does not list: as its config says
+        return True
+    return "sliding_window" in inspect.getsource(sys.modules[model_class.__module__])
 
 
 def sliding_window(config: PretrainedConfig) -> int | None:
