@@ -201,6 +201,26 @@ def test_chi_square_p_value_matches_tables() -> None:
     assert math.isclose(chi_square_p(counts, torch.full((10,), 0.1)), 0.3504852, rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_with_mass_top_p(dtype) -> None:
+    """`nucleus_floor` bisects on a threshold instead of sorting the vocabulary: it must keep what the sorted rule
+    keeps (the most likely tokens until their mass reaches top_p), up to rounding where that mass is top_p within
+    1e-5 (float32 sums in another order), and tied tokens together."""
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(64, 1000, dtype=torch.float64) * 3, -1)
+    p[:, :10] = p[:, 10:20]  # ties
+    p = (p / p.sum(-1, keepdim=True)).to(dtype)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        kept = sampling.probs(p.log(), 1.0, top_p) > 0
+        sorted_p, order = p.double().sort(-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens, in float64
+        unsort = lambda t: torch.zeros_like(t).scatter(-1, order, t)  # noqa: E731
+        expected, close = unsort(before <= top_p), unsort((before - top_p).abs() < 1e-5)
+        tied = expected[:, :10] | expected[:, 10:20]  # sorting kept one of a tied pair at the boundary: keep both
+        expected[:, :10], expected[:, 10:20] = tied, tied
+        assert torch.equal(kept[~close], expected[~close]), top_p
+
+
 def test_the_warped_distribution_is_temperature_then_the_smallest_top_p_set() -> None:
     """The chi-square test compares the engine with `sampling.probs` itself, so a warping bug would sit on both
     sides of it; here `probs` meets distributions worked out by hand."""

@@ -19,6 +19,7 @@ import torch
 
 M32 = 0xFFFFFFFF
 DRAFT, ACCEPT, RESIDUAL = 0, 1, 2  # independent random streams
+BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def propose(logits: torch.Tensor, temperature: float, top_p: float, seeds: torch.Tensor,
@@ -49,11 +50,25 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch
     sampled the vocabulary's last id."""
     p = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = p.sort(dim=-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set with mass >= top_p
-        p = p.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        p = torch.where(p >= nucleus_floor(p, top_p), p, 0.0)
         p = p / p.sum(-1, keepdim=True)
     return p
+
+
+def nucleus_floor(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The least probability top-p keeps, per row of p [..., V]: the smallest t such that the tokens more likely
+    than t hold at most `top_p`, so that {p >= t} is the smallest set, in order of probability, with mass >= top_p
+    (ties kept together). Found by bisection on t's bits (positive floats order as their integer views): 31
+    masked sums in float32, without sorting the vocabulary: top-p over 16 rows of SmolLM2's 49k scores took 19 ms
+    against the sort's 37 (2 threads of this CPU), and 58 against 108 ms over a verify pass's 16 x 3 rows."""
+    bits = BITS[p.dtype]
+    lo = torch.zeros(p.shape[:-1], dtype=bits, device=p.device)  # all the mass lies above 0: more than top_p
+    hi = p.view(bits).amax(-1)  # none lies above the largest
+    for _ in range(torch.finfo(p.dtype).bits - 1):
+        mid = lo + (hi - lo) // 2
+        fits = torch.where(p > mid.view(p.dtype)[..., None], p, 0.0).sum(-1) <= top_p
+        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
+    return hi.view(p.dtype)[..., None]
 
 
 def uniform(seeds: torch.Tensor, index: torch.Tensor, stream: int) -> torch.Tensor:
