@@ -4,7 +4,9 @@
 
 Each variant is the real `distil` stage on `experiment=smollm2_135m` plus a few Hydra overrides; all
 share one cached dataset (the target's responses to the train prompts, generated once). Validation
-prompts are held out. Prints a markdown table and writes checkpoints/bench/distill.{json,md}.
+prompts are held out. Prints a markdown table and writes checkpoints/bench/distill.{json,md}, keeping the rows
+of earlier runs (a variant trained again replaces its own row); with overrides, each run's folder name carries
+a hash of them, and its row lists them.
 Not a test: it takes tens of minutes on a 2-core CPU.
 """
 
@@ -14,13 +16,16 @@ import argparse
 import json
 import logging
 import shutil
+from datetime import datetime
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
 from specpolicy.atomic import atomic_path
 from specpolicy.cli import check_out_dir, entry
+from specpolicy.distill.data import cache_key
 from specpolicy.distill.stage import distil
 from specpolicy.errors import SpecPolicyError, check_count
 
@@ -65,7 +70,9 @@ def bench(args: argparse.Namespace) -> None:
                               "table row are named after --steps)")
     out, run_dir = Path(args.out), Path(args.out) / "runs"
     check_out_dir("--out", out)  # a file there was found by the first save, after the first training
-    variants = [(shape, loss, f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}")
+    # the overrides name the folder too: a run with another learning rate replaced the default run's folder
+    extra = f"-{cache_key(args.overrides)[:8]}" if args.overrides else ""
+    variants = [(shape, loss, f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}{extra}")
                 for shape in args.shapes for loss in args.losses]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         try:  # every variant's config before any training: a bad override is one line, not Hydra's traceback
@@ -76,14 +83,25 @@ def bench(args: argparse.Namespace) -> None:
                 for shape, loss, name in variants]
         except HydraException as err:
             raise SpecPolicyError(' '.join(str(err).split())) from err
-        rows = []
+        rows = _earlier_rows(out / "distill.json", {name for *_, name in variants})
         for (shape, loss, name), cfg in zip(variants, configs):
             shutil.rmtree(run_dir / name, ignore_errors=True)  # fresh training, shared data cache
             distil(cfg)
             metrics = json.loads((run_dir / name / "draft" / "metrics.json").read_text())
-            rows.append({"draft": shape, "loss": loss, **_row(metrics)})
+            rows.append({"run": name, "draft": shape, "loss": loss, **_row(metrics), "overrides": args.overrides,
+                         "date": datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__})
             _write(out, rows)
     print(_markdown(rows))
+
+
+def _earlier_rows(path: Path, rerun: set[str]) -> list[dict]:
+    """The rows earlier runs wrote, but those this run trains again: each run replaced the whole table, so the
+    README's table, from four commands, was in no file."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or not a table this script wrote
+        return []
+    return [r for r in rows if isinstance(r, dict) and r.get("run") not in rerun] if isinstance(rows, list) else []
 
 
 def _row(m: dict) -> dict:
@@ -96,11 +114,12 @@ def _row(m: dict) -> dict:
 
 def _markdown(rows: list[dict]) -> str:
     head = ("| draft | head vocab | loss | agreement before → after | expected acceptance before → after | c (FLOPs) "
-            "| c (latency) | steps | train time |\n|---|---|---|---|---|---|---|---|---|")
+            "| c (latency) | steps | train time | overrides |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [f"| {r['draft']} | {r['draft_vocab']} | {r['loss']} "
              f"| {r['agreement_before']:.3f} → {r['agreement_after']:.3f} "
              f"| {r['acceptance_before']:.3f} → {r['acceptance_after']:.3f} | {r['c_flops']:.3f} "
-             f"| {r['c_latency']:.3f} | {r['steps']} | {r['train_s'] / 60:.1f} min |" for r in rows]
+             f"| {r['c_latency']:.3f} | {r['steps']} | {r['train_s'] / 60:.1f} min "
+             f"| {' '.join(r.get('overrides') or []) or '–'} |" for r in rows]
     return "\n".join([head, *lines])
 
 
