@@ -31,11 +31,10 @@ from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError, check_count, check_counts, fitting_batch_sizes
-from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate
+from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate, unassistable
 from specpolicy.eval.report import EXACT_DTYPES, VIOLATED
 from specpolicy.eval.runner import Baseline, full_batches, rotated
 from specpolicy.models import LoadedModel
-from specpolicy.models.fusion import fuses_features
 from specpolicy.pipeline import hardware
 from specpolicy.policy import ArPolicy, DepthPolicy, StaticPolicy
 from specpolicy.stages import load_pair
@@ -60,10 +59,10 @@ def bench(cfg: DictConfig) -> None:
                              target.context_length, engine.max_new_tokens)
     batch_sizes = fitting_batch_sizes("bench.batch_sizes", cfg.bench.batch_sizes, len(prompts),
                                       "raise bench.num_prompts or data.limit")
-    assisted = not fuses_features(draft.model)
-    if not assisted:
-        log.warning("bench_engine: %s reads the target's features, which transformers' assisted generation cannot "
-                    "pass it: static k is compared with the engine's ar only", draft.name)
+    why = unassistable(target.model, draft.model)
+    assisted = why is None
+    if why:
+        log.warning("bench_engine: %s: static k is compared with the engine's ar only", why)
     groups = _decoders(cfg, engine, target, draft, batch_sizes, assisted)
     rounds: list[dict[str, list[float]]] = []  # per round: name -> [tokens, seconds]
     outputs: dict[str, list[list[int]]] = {}  # the first round's, to check that every decoder wrote ar's

@@ -27,11 +27,10 @@ from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_counts, check_int, fitting_batch_sizes
-from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
+from specpolicy.eval.hf_baselines import hf_assisted, hf_generate, unassistable
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
-from specpolicy.models.fusion import fuses_features
 from specpolicy.policy import DepthPolicy, OraclePolicy
 from specpolicy.policy.goodput import DraftConfidence, GoodputPolicy, HeadEstimator
 from specpolicy.runtime import check_runtime
@@ -265,8 +264,8 @@ def _explain_baselines(cfg: DictConfig, engine: Engine, draft: LoadedModel, batc
     """Say which of transformers' baselines `eval.hf_baselines=true` cannot run here, and why (`hf_baselines`)."""
     if not cfg.eval.hf_baselines:
         return
-    if fuses_features(draft.model):
-        log.warning("evaluate: hf_assisted is left out: assisted generation cannot give a draft the target's features")
+    if why := unassistable(engine.target, draft.model):
+        log.warning("evaluate: hf_assisted is left out: %s", why)
     elif 1 not in batch_sizes:
         log.warning("evaluate: hf_assisted runs at batch 1 only, which eval.batch_sizes leaves out")
 
@@ -280,7 +279,7 @@ def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: Lo
     eos, pad, n = target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id, engine.max_new_tokens
     warp = {"temperature": engine.temperature, "top_p": engine.top_p}
     baselines = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos, **warp)}
-    if bs == 1 and not fuses_features(draft.model):
+    if bs == 1 and not unassistable(target.model, draft.model):
         k = cfg.eval.hf_assisted_k
         baselines["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, k, eos, **warp)
     return baselines

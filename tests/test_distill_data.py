@@ -118,3 +118,22 @@ def test_unrolled_passes_read_what_the_engines_draft_reads(tiny_model, single_th
                 own.append(run(t + m, feats)[:, t + m - 1])
                 assert torch.allclose(passes[m - 1][:, t + m - 1], own[-1], atol=1e-3), (t, m)  # rounding: ~2e-4
         assert (passes[1] - passes[0]).abs().max() > 0.1  # the passes differ: the test can fail
+
+
+def test_a_draft_of_fewer_vocabulary_rows_distils_on_the_ids_it_has(tiny_model) -> None:
+    """A draft of one tokenizer padded to fewer rows (Qwen2.5-0.5B for -7B) learns the target's distribution over
+    the ids it has, online or from the cache, and reads an id past its rows (a response may hold one)."""
+    from specpolicy.distill.losses import forward_kl
+    from specpolicy.distill.module import DistillModule
+
+    target = tiny_model("qwen2", vocab_size=320).model
+    draft = tiny_model("qwen2", seed=1, vocab_size=300, num_hidden_layers=2).model
+    row = {"input_ids": [5, 310, 7, 299, 3, 9], "prompt_len": 2}
+    module = DistillModule(draft, target, loss=forward_kl, optimizer=None)
+    online = collate_rows([row], 0, None)
+    logp = torch.log_softmax(torch.randn(4, 320), -1).topk(4, -1)
+    cached = collate_rows([{**row, "topk_ids": logp.indices.tolist(), "topk_logp": logp.values.tolist()}], 0, None)
+    for batch in (online, cached):
+        p_logits, q_logp, *_ = module._distributions(batch)
+        assert p_logits.shape == q_logp.shape == (4, 300)
+        assert torch.isfinite(module._loss(p_logits, q_logp))

@@ -504,6 +504,22 @@ def test_engine_refuses_misuse_from_a_notebook(tiny_model, prompts, policy, mess
     assert engine.generate(torch.tensor([[1, 2], [3, 4]]), ArPolicy()).outputs == both
 
 
+def test_a_draft_of_fewer_vocabulary_rows_drafts_in_the_ids_both_have(tiny_model) -> None:
+    """One tokenizer's models padded to other sizes (Qwen2.5-0.5B: 151936 rows, -7B: 152064) were refused. The
+    draft proposes among its rows; an id past them (here the random target writes some, and a prompt has some)
+    it reads as its last row, and the target still decides every token."""
+    target = tiny_model("qwen2", vocab_size=320).model
+    draft = tiny_model("qwen2", seed=1, vocab_size=300, num_hidden_layers=2).model
+    prompts = [[5, 9, 3], list(range(20, 31)), [310, 315, 2, 8, 9, 10, 11]]
+    refs = [target.generate(torch.tensor([p], device=DEVICE), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert any(t >= 300 for ref in refs for t in ref)
+    engine = Engine(target, draft, max_new_tokens=12, eos_token_id=[])
+    for policy in (ArPolicy(), StaticPolicy(k=3), ConfidencePolicy(k=3, threshold=0.01)):
+        result = engine.generate(prompts, policy)
+        assert result.outputs == refs and (result.stats.drafted > 0) == (policy.max_depth > 0)
+
+
 def test_engine_refuses_a_draft_of_another_vocabulary_or_shorter_context(tiny_model) -> None:
     """`check_compatible` needs tokenizers; the engine, given models alone, checks what they tell."""
     target = tiny_model()

@@ -47,6 +47,14 @@ def subset_models(models):
     return models[0], draft
 
 
+@pytest.fixture(scope="module")
+def fewer_rows_models(models, tiny_model):
+    """The draft has 6 vocabulary rows to the target's 8 (`vocab.draft_ids`): its distributions are padded to the
+    target's vocabulary with zeros before the rejection rule compares them."""
+    return models[0], tiny_model("llama", seed=1, **{**SMALL_VOCAB, "vocab_size": 6, "pad_token_id": 0,
+                                                     "bos_token_id": 1, "eos_token_id": 2}).model
+
+
 def exact_joint(model, prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
     """P(t_1..t_n) under the target with the engine's warping, flattened as t_1 * V^(n-1) + ... + t_n."""
     seqs, joint = torch.tensor([prompt], device=DEVICE), torch.ones(1, dtype=torch.float64, device=DEVICE)
@@ -81,7 +89,7 @@ def sampled_joint(models, temperature: float, top_p: float, seed: int = 0,
     return torch.bincount(index, minlength=V**NEW), result.stats.acceptance_rate
 
 
-@pytest.mark.parametrize("pair", ["models", "subset_models"])
+@pytest.mark.parametrize("pair", ["models", "subset_models", "fewer_rows_models"])
 @pytest.mark.parametrize(("temperature", "top_p"), WARPS)
 def test_sampling_keeps_the_target_distribution(request, pair: str, temperature: float, top_p: float) -> None:
     models = request.getfixturevalue(pair)

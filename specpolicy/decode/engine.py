@@ -42,7 +42,7 @@ from specpolicy.models.attention import ignored_window
 from specpolicy.models.compat import check_models
 from specpolicy.models.fusion import fuses_features, unwrap
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
-from specpolicy.models.vocab import subset_of
+from specpolicy.models.vocab import draft_ids
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
 from specpolicy.runtime import synchronize
@@ -140,9 +140,10 @@ class Engine:
         self.t_flops = FlopModel.from_model(target)
         self.d_flops = FlopModel.from_model(draft) if draft is not None else None
         self.fuse = fuses_features(draft)
-        # a draft that scores a vocabulary subset drafts in the subset's index (`models.vocab`): its argmax,
-        # features and distributions cover 8k scores, not 49k mostly -inf ones; `_draft` maps ids back
-        self.draft_ids = subset_of(draft) if draft is not None else None
+        # a draft that scores a vocabulary subset (or fewer rows than the target) drafts in its own index
+        # (`models.vocab`): its argmax, features and distributions cover 8k scores, not 49k mostly -inf ones;
+        # `_draft` maps ids back
+        self.draft_ids = draft_ids(draft, self.vocab) if draft is not None else None
 
     # ---------------------------------------------------------------- public
     @torch.inference_mode()

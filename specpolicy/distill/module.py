@@ -27,7 +27,7 @@ from specpolicy.distill.data import (DistillData, collate_rows, featurize, hidde
 from specpolicy.distill.losses import dense_from_topk, log_probs, tvd
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
-from specpolicy.models.vocab import subset_of
+from specpolicy.models.vocab import draft_ids
 
 VAL, TEST = "validation", "test"  # held-out sets: settings are chosen on VAL; TEST is only reported
 METRICS = ("loss", "agreement", "expected_acceptance")
@@ -84,7 +84,7 @@ class DistillModule(LightningModule):
         later = [masked_logits(self.draft, batch, h) for h in hiddens[1:]]
         mask = batch["loss_mask"]
         regression = F.smooth_l1_loss(hidden[mask], batch["features"][mask].to(hidden.dtype)) if fuses else None
-        vocab = subset_of(self.draft)
+        vocab = draft_ids(self.draft, self.target.config.vocab_size)
         if "topk_ids" in batch:  # cached when the data was generated; top-k sorted, so column 0 is the argmax
             q_logp = dense_from_topk(batch["topk_ids"], batch["topk_logp"], self.target.config.vocab_size, vocab)
             return p_logits, q_logp, batch["topk_ids"][:, 0].long(), regression, later
@@ -124,7 +124,7 @@ class DistillModule(LightningModule):
 
     def _evaluate(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         p_logits, q_logp, q_top1, _, _ = self._distributions(batch)
-        vocab = subset_of(self.draft)
+        vocab = draft_ids(self.draft, self.target.config.vocab_size)
         p_top1 = p_logits.argmax(-1)
         n = p_logits.shape[0]
         values = {

@@ -251,7 +251,7 @@ def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamod
     size = d.get("draft_vocab")
     if size is None:
         return None, None
-    vocab_size = target.model.config.vocab_size
+    vocab_size = min(target.model.config.vocab_size, draft.model.config.vocab_size)  # ids the draft can score
     if not 0 < size <= vocab_size:
         raise SpecPolicyError(f"distill.draft_vocab={size} must be between 1 and the vocabulary size {vocab_size}, "
                               f"or null to keep the draft's full LM head")

@@ -83,9 +83,8 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
                 top_p: float = 1.0) -> tuple[list[list[int]], float]:
     """Assisted generation (`assistant_model=`; speculative sampling when sampled), one prompt at a time (it
     supports batch 1 only)."""
-    if fuses_features(draft):
-        raise SpecPolicyError("transformers' assisted generation cannot pass a draft the target's features; "
-                              "compare a feature-fusing draft with the engine's policies only")
+    if why := unassistable(target, draft):
+        raise SpecPolicyError(f"{why}; compare this draft with the engine's policies only")
     settings = assisted_settings(k)
 
     def run() -> list[list[int]]:
@@ -100,6 +99,19 @@ def hf_assisted(target: PreTrainedModel, draft: PreTrainedModel, prompts: list[l
     with _neutral(target, draft):
         draft.generation_config.update(**settings)  # the assistant drafts by its own generation_config
         return _timed(run, target.device)
+
+
+def unassistable(target: PreTrainedModel, draft: PreTrainedModel) -> str | None:
+    """Why transformers' assisted generation cannot run this pair, or None: it cannot pass a draft the target's
+    features, and it takes a draft of another vocabulary size for one of another tokenizer (and asks for both
+    tokenizers), where the engine drafts in the ids both models have."""
+    if fuses_features(draft):
+        return "transformers' assisted generation cannot pass a draft the target's features"
+    rows = draft.config.vocab_size, target.config.vocab_size
+    if rows[0] != rows[1]:
+        return (f"transformers' assisted generation takes a draft of another vocabulary size ({rows[0]} rows, target "
+                f"{rows[1]}) for one of another tokenizer")
+    return None
 
 
 def _cut(ids: list[int], eos_id: int | list[int] | None) -> list[int]:

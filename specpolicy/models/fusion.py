@@ -70,8 +70,11 @@ def load_fusion(model: PreTrainedModel, folder: str | Path) -> None:
 
 def model_inputs(model: torch.nn.Module, tokens: torch.Tensor, features: torch.Tensor | None) -> dict:
     """Keyword inputs of `model.base_model` for `tokens` [B, W]; a fusing draft also needs `features`
-    [B, W, d], the feature each token reads (the target's at the previous position)."""
+    [B, W, d], the feature each token reads (the target's at the previous position). A draft of fewer rows than
+    its target (`vocab.draft_ids`) reads an id past them, which only a padding row of the target's head could
+    write, as its last row: the target still decides every token."""
     hf = unwrap(model)
+    tokens = tokens.clamp(max=hf.get_input_embeddings().num_embeddings - 1)
     if not fuses_features(hf):
         return {"input_ids": tokens}
     if features is None:

@@ -111,6 +111,17 @@ def subset_of(model: torch.nn.Module) -> torch.Tensor | None:
     return scorer(model)[1]
 
 
+def draft_ids(draft: torch.nn.Module, target_vocab: int) -> torch.Tensor | None:
+    """The target's token id of each score the draft gives, in the order it gives them: its subset's (`SubsetHead`),
+    or its first `d` where its vocabulary is smaller (d < `target_vocab`): one tokenizer's models padded to other
+    sizes (Qwen2.5-0.5B has 151936 rows, -7B 152064) draft in the ids they share. None: the whole vocabulary."""
+    ids = subset_of(draft)
+    rows = unwrap(draft).config.vocab_size
+    if ids is None and rows < target_vocab:
+        ids = torch.arange(rows, device=next(draft.parameters()).device)
+    return ids
+
+
 def vocab_file_text(token_ids: torch.Tensor) -> str:
     return json.dumps({"token_ids": token_ids.tolist()})
 
