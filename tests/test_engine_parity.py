@@ -529,6 +529,16 @@ def test_engine_refuses_a_draft_of_another_vocabulary_or_shorter_context(tiny_mo
         Engine(target.model, tiny_model(max_position_embeddings=16).model)
 
 
+def test_a_multimodal_model_is_refused_by_name(tiny_model) -> None:
+    """Gemma 3 from 4B up loads as a conditional-generation model whose language settings sit in text_config: an
+    AttributeError on vocab_size with a draft, "cannot tell the context length" without one."""
+    text = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    model = RandomInitSource("gemma3", {"text_config": {**text, "vocab_size": 260}}, device=str(DEVICE)).load().model
+    for draft in (None, model):
+        with pytest.raises(SpecPolicyError, match="gemma3 is a multimodal model .* load its language model alone"):
+            Engine(model, draft)
+
+
 @pytest.mark.parametrize("model_type, config", [("bloom", {}), ("falcon", {"alibi": True}), ("rwkv", {}),
                                                 ("gpt_neo", {"attention_types": [[["global", "local"], 2]]})])
 def test_models_the_engine_cannot_steer_are_refused(model_type: str, config: dict) -> None:

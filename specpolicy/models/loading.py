@@ -52,7 +52,17 @@ class LoadedModel:
         return context_length(self.model.config)
 
 
+def check_text_only(config: Any) -> None:
+    """A multimodal model (Gemma 3 from 4B up, Qwen2.5-VL) keeps its language model's settings in `text_config`:
+    the engine read none of them (an AttributeError on vocab_size, or "cannot tell the context length")."""
+    if hasattr(config, "get_text_config") and config.get_text_config() is not config:
+        raise SpecPolicyError(f"{config.model_type} is a multimodal model (its language model's settings are in "
+                              f"config.text_config); specpolicy decodes text-only causal LMs: load its language model "
+                              f"alone (e.g. a text-only checkpoint of the family) and pass that")
+
+
 def context_length(config: Any) -> int:
+    check_text_only(config)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if getattr(config, key, None):
             return int(getattr(config, key))
