@@ -158,7 +158,8 @@ def test_a_peft_wrapped_draft_decodes_as_its_merged_model(tiny_model) -> None:
     import peft
 
     target = tiny_model("llama")
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # B != 0: it acts
+    # B != 0: it acts; a LoRA embedding (no num_embeddings) too
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "embed_tokens"], init_lora_weights=False)
     wrapped = peft.get_peft_model(copy.deepcopy(target.model), lora).eval()
     merged = copy.deepcopy(wrapped).merge_and_unload()
     g = torch.Generator().manual_seed(7)

@@ -74,7 +74,7 @@ def model_inputs(model: torch.nn.Module, tokens: torch.Tensor, features: torch.T
     its target (`vocab.draft_ids`) reads an id past them, which only a padding row of the target's head could
     write, as its last row: the target still decides every token."""
     hf = unwrap(model)
-    tokens = tokens.clamp(max=hf.get_input_embeddings().num_embeddings - 1)
+    tokens = tokens.clamp(max=hf.get_input_embeddings().weight.shape[0] - 1)  # peft's has no num_embeddings
     if not fuses_features(hf):
         return {"input_ids": tokens}
     if features is None:
