@@ -53,6 +53,7 @@ def matmul_params(module: torch.nn.Module) -> float:
 
 
 def _routed_share(module: torch.nn.Module, experts: int) -> float:
+    """The share of `experts` a token goes through, from the model's config."""
     config = getattr(module, "config", None)
     active = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)
     if not active:  # not a whole model, or a family that names it otherwise: an upper bound

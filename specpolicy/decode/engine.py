@@ -233,8 +233,9 @@ class Engine:
         decides = not (self.fuse and bool((host["t_len"] + 1 < host["length"]).any()))
         if decides:
             with stats.deciding():  # the bonus token always comes
-                budget = torch.as_tensor(policy.budget(state), device=self.device).long()  # 2.5 or an int: a
-                budget = budget.clamp(0, policy.max_depth).minimum(remaining - 1)  # gather's traceback two steps on
+                # a policy's float or Python int budget failed mid-decode (in gather, two steps on)
+                budget = torch.as_tensor(policy.budget(state), device=self.device).long()
+                budget = budget.clamp(0, policy.max_depth).minimum(remaining - 1)
         else:
             budget = torch.zeros_like(remaining)
         depth = int(budget.max())
