@@ -34,9 +34,8 @@ from specpolicy.policy import StaticPolicy
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
-def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size: int = 8) -> dict:
-    """Acceptance by draft position when the engine decodes the validation prompts at a static depth."""
-    depth = cfg.get("decode_depth", 4)
+def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, depth: int, batch_size: int = 8) -> dict:
+    """Acceptance by draft position when the engine decodes the validation prompts at static depth `depth`."""
     engine = instantiate(cfg.engine, temperature=0.0)(target.model, draft.model)  # greedy, whatever engine says
     conversations = instantiate(cfg.data, split="validation", limit=cfg.distill.data.val_prompts).load()
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
@@ -53,9 +52,10 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, batch_size
 
 def report(cfg: DictConfig) -> None:
     check_settings(cfg.engine)
-    check_count("decode_depth", cfg.get("decode_depth", 4))  # before the held-out metrics; 0 would decode no drafts
+    depth = check_count("decode_depth", cfg.get("decode_depth", 4))  # before the held-out metrics; 0 decodes no drafts
     target, draft = saved_pair(cfg)
-    text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft)}, indent=2)
+    text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft, depth)},
+                      indent=2)
     print(text)
     with atomic_path(per_job(cfg.paths.experiment_dir) / "draft_held_out.json") as tmp:
         tmp.write_text(text)
