@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.fusion import fuses_features
-from specpolicy.models.loading import check_text_only, context_length
+from specpolicy.models.loading import context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -38,15 +38,14 @@ def check_models(target: PreTrainedModel, draft: PreTrainedModel, t_name: str | 
     lacks, enough context, the target's width for a draft that reads its features, one device and dtype. A draft
     of fewer rows drafts in the ids both have (`vocab.draft_ids`): Qwen2.5-0.5B for -7B, one tokenizer padded to
     151936 and 152064 rows."""
-    check_text_only(target.config)
-    check_text_only(draft.config)
+    # first: `context_length` refuses a multimodal config, which has no vocab_size
+    t_context, d_context = context_length(target.config), context_length(draft.config)
     t_name = t_name or target.config.name_or_path or target.config.model_type
     d_name = d_name or draft.config.name_or_path or draft.config.model_type
     t_vocab, d_vocab = target.config.vocab_size, draft.config.vocab_size
     if d_vocab > t_vocab:
         raise SpecPolicyError(f"output vocabulary sizes differ (target {t_name}: {t_vocab}, draft {d_name}: "
                               f"{d_vocab}): the draft could propose ids the target does not have; {FIX}")
-    t_context, d_context = context_length(target.config), context_length(draft.config)
     if d_context < t_context:
         raise SpecPolicyError(f"draft context is shorter than the target's (target {t_name}: {t_context}, draft "
                               f"{d_name}: {d_context}); use a draft with at least the target's context")
