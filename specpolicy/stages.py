@@ -163,8 +163,7 @@ def collect(cfg: DictConfig) -> None:
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=c.max_new_tokens)
     sizes = fitting_batch_sizes("collect.batch_sizes", c.batch_sizes, len(prompts),
                                 "give data more train prompts, or lower distill.data.train_prompts")
-    # at each batch size the first prompts, in whole batches of at least min_prompts_per_size prompts in all
-    counts = {bs: min(-(-max(bs, c.min_prompts_per_size) // bs) * bs, len(prompts)) for bs in sizes}
+    counts = {bs: min(_prompts_for(bs, c.min_prompts_per_size), len(prompts) // bs * bs) for bs in sizes}
     shards = out.with_name("rollouts_shards")
     for bs in tqdm(sizes, desc="collect (batch sizes)"):
         shard = shards / f"bs{bs}"
@@ -185,12 +184,17 @@ def collect(cfg: DictConfig) -> None:
     log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
 
 
+def _prompts_for(batch_size: int, min_prompts: int) -> int:
+    """How many prompts collect decodes at `batch_size`: whole batches, at least `min_prompts` in all."""
+    return -(-max(batch_size, min_prompts) // batch_size) * batch_size
+
+
 def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
     seen = cfg.distill.data.train_prompts
     # batch sizes past every prompt there is are left out anyway (`fitting_batch_sizes`): one of 512 made every
     # batch size decode distillation prompts, with 442 unseen ones to spare
     fit = [bs for bs in cfg.collect.batch_sizes if bs <= len(conversations)] or [1]
-    needed = max(max(bs, cfg.collect.min_prompts_per_size) for bs in fit)
+    needed = max(_prompts_for(bs, cfg.collect.min_prompts_per_size) for bs in fit)
     if seen is not None and len(conversations) - seen >= needed:
         return conversations[seen:]
     log.warning("collect: fewer than %d train prompts are left after the %s the draft was distilled on; the "

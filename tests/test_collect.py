@@ -30,6 +30,15 @@ def test_collect_reuses_distillation_prompts_with_a_warning_when_too_few_are_lef
     assert caplog.text.count("the rollouts reuse distillation prompts") == 2
 
 
+def test_collect_counts_whole_batches_when_it_picks_its_prompts():
+    """Batches of 3 with at least 4 prompts decode 6: 5 unseen prompts are too few (they were taken as enough, and
+    the bs3 rollouts then held a batch of 2)."""
+    cfg = OmegaConf.create({"distill": {"data": {"train_prompts": 5}},
+                            "collect": {"batch_sizes": [3], "min_prompts_per_size": 4}})
+    assert _unseen_by_draft(cfg, list(range(10))) == list(range(10))
+    assert _unseen_by_draft(cfg, list(range(11))) == [5, 6, 7, 8, 9, 10]
+
+
 def test_collect_never_decodes_the_evaluation_prompts(tmp_path, caplog):
     """A train row that is also a test row is left out; a file without splits (every row is every split) is
     refused, as distillation refuses it, rather than training the head on the evaluation's sequences."""
