@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -20,12 +21,13 @@ class ArPolicy(DepthPolicy):
 
 @dataclass
 class StaticPolicy(DepthPolicy):
-    """Always draft k tokens."""
+    """Always draft k tokens; the policies below that stop rows while drafting start from this budget."""
 
     k: int = 4
+    label: ClassVar[str] = "static"  # the policy's name in its errors
 
     def __post_init__(self) -> None:
-        self.max_depth = check_depth("static", self.k)
+        self.max_depth = check_depth(self.label, self.k)
 
     def budget(self, state: StepState) -> torch.Tensor:
         return torch.full_like(state.generated, self.k)
@@ -74,7 +76,7 @@ class HeuristicPolicy(DepthPolicy):
 
 
 @dataclass
-class ThresholdPolicy(DepthPolicy):
+class ThresholdPolicy(StaticPolicy):
     """Draft up to k tokens, stopping a row at the first position whose feature crosses `threshold`."""
 
     k: int = 8
@@ -82,23 +84,21 @@ class ThresholdPolicy(DepthPolicy):
     feature: str = "top1"
     stop_above: bool = False  # top1: stop when below the threshold; entropy: stop when above it
     reads_features = True
+    label: ClassVar[str] = "threshold"
 
     def __post_init__(self) -> None:
-        self.max_depth = check_depth(type(self).__name__, self.k)
-        check_bool(f"{type(self).__name__}: stop_above", self.stop_above)  # Hydra passes `no` on as a true string
+        super().__post_init__()
+        check_bool(f"{self.label}: stop_above", self.stop_above)  # Hydra passes `no` on as a true string
         if self.feature not in COLUMN:
             raise SpecPolicyError(f"unknown feature {self.feature!r}; choose from {list(COLUMN)}")
         # outside a feature's range every row stops or none does: a typo, not a policy
-        check_number(f"{type(self).__name__}: threshold", self.threshold)
+        check_number(f"{self.label}: threshold", self.threshold)
         if self.feature in PROBABILITIES and not 0 <= self.threshold <= 1:
-            raise SpecPolicyError(f"{type(self).__name__}: {self.feature} is a probability, so its threshold must be "
+            raise SpecPolicyError(f"{self.label}: {self.feature} is a probability, so its threshold must be "
                                   f"in [0, 1], got {self.threshold}")
         if self.threshold < 0:  # entropy, position and load are >= 0 too
-            raise SpecPolicyError(f"{type(self).__name__}: {self.feature} is never negative, so its threshold must be "
+            raise SpecPolicyError(f"{self.label}: {self.feature} is never negative, so its threshold must be "
                                   f">= 0, got {self.threshold}")
-
-    def budget(self, state: StepState) -> torch.Tensor:
-        return torch.full_like(state.generated, self.k)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         value = features[:, COLUMN[self.feature]]
@@ -109,6 +109,8 @@ class ThresholdPolicy(DepthPolicy):
 class ConfidencePolicy(ThresholdPolicy):
     """Stop when the draft's top-1 probability falls below `threshold`."""
 
+    label: ClassVar[str] = "confidence"
+
 
 @dataclass
 class EntropyPolicy(ThresholdPolicy):
@@ -117,10 +119,11 @@ class EntropyPolicy(ThresholdPolicy):
     threshold: float = 1.0
     feature: str = "entropy"
     stop_above: bool = True
+    label: ClassVar[str] = "entropy"
 
 
 @dataclass
-class OraclePolicy(DepthPolicy):
+class OraclePolicy(StaticPolicy):
     """Hindsight upper bound on acceptance for greedy decoding, not a method.
 
     Knows the target's greedy continuation of every row (from a prior plain run, `set_reference`)
@@ -130,9 +133,10 @@ class OraclePolicy(DepthPolicy):
 
     k: int = 8
     greedy_only = True
+    label: ClassVar[str] = "oracle"
 
     def __post_init__(self) -> None:
-        self.max_depth = check_depth("oracle", self.k)
+        super().__post_init__()
         self._reference: torch.Tensor | None = None
 
     def set_reference(self, outputs: list[list[int]]) -> None:
@@ -151,9 +155,6 @@ class OraclePolicy(DepthPolicy):
         if len(self._reference) != batch_size:
             raise SpecPolicyError(f"the oracle's reference holds {len(self._reference)} outputs for a batch of "
                                   f"{batch_size} prompts; set_reference with this batch's greedy outputs first")
-
-    def budget(self, state: StepState) -> torch.Tensor:
-        return torch.full_like(state.generated, self.k)
 
     def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int) -> torch.Tensor:
         if self._reference.device != tokens.device:  # once: a copy per draft position would sit in the timed loop
