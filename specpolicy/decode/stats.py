@@ -6,7 +6,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -53,13 +53,14 @@ class DecodeStats:
     def total(cls, runs: list[DecodeStats]) -> DecodeStats:
         """The counts of several runs (the batches of one policy) summed, so every rate is computed once, here."""
         out = cls(max_depth=max(r.max_depth for r in runs), batch_size=max(r.batch_size for r in runs))
+        counts = [f.name for f in fields(cls) if f.name not in ("max_depth", "batch_size", "pending")]
         for r in runs:
-            for name in ("tokens", "wall_s", "target_forwards", "draft_forwards", "steps", "policy_s", "row_steps",
-                         "drafted", "accepted", "ar_flops", "step_s"):
-                setattr(out, name, getattr(out, name) + getattr(r, name))
-            for name in ("drafted_at", "accepted_at", "reached_at", "depth_at_load", "steps_at_load", "flops"):
-                part = getattr(r, name)  # a smaller last batch has shorter by-load counts
-                getattr(out, name)[: len(part)] += part
+            for name in counts:
+                part = getattr(r, name)
+                if isinstance(part, torch.Tensor):  # a smaller last batch has shorter by-load counts
+                    getattr(out, name)[: len(part)] += part
+                else:
+                    setattr(out, name, getattr(out, name) + part)
         return out
 
     def record_step(self, drafted: torch.Tensor, accepted: torch.Tensor) -> None:

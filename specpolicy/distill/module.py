@@ -53,14 +53,11 @@ class DistillModule(LightningModule):
         self.eval_metrics = torch.nn.ModuleDict({stage: torch.nn.ModuleDict({k: MeanMetric() for k in METRICS})
                                                  for stage in ("val", "test")})
 
-    def on_fit_start(self) -> None:
+    def _place_target(self) -> None:
+        """The target is no submodule, so Lightning does not move it: it follows the draft to its device."""
         self.target.to(self.device)
 
-    def on_validation_start(self) -> None:
-        self.target.to(self.device)
-
-    def on_test_start(self) -> None:
-        self.target.to(self.device)
+    on_fit_start = on_validation_start = on_test_start = _place_target
 
     def _distributions(self, batch: dict[str, torch.Tensor], passes: int = 1) -> tuple:
         """At the response positions: draft logits and target log-probs (temperature 1) over the tokens the
