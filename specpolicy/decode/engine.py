@@ -247,7 +247,7 @@ class Engine:
         n_acc, token = sampling.settle(drafts, p, logits, n_draft, rows.seeds, rows.generated, self.temperature,
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
-        new_host = rows.host()  # the step's one sync: a policy that copies its evidence to the host waits no more
+        new_host = rows.host()  # the next step's sizes; a policy that copies its evidence to the host waits no more
         # a row that kept an EOS among its drafts ended there: the drafts after it were neither kept nor
         # rejected, so neither the policy's evidence nor the stats count them (the FLOP buckets still do)
         ended = n_new <= n_acc
@@ -255,9 +255,10 @@ class Engine:
         if decides:
             with stats.deciding():
                 policy.observe(state, drafted, accepted)
-        stats.later(stats.record_step, drafted.cpu(), accepted.cpu())
-        stats.later(self._account, stats, host, (budget.cpu(), n_draft.cpu(), (n_new - 1).cpu(), accepted.cpu()),
-                    drafts.shape[1], fed, caches[0].capacity)
+        counts = torch.stack([drafted, accepted, budget, n_draft, n_new - 1]).cpu()  # one copy for the bookkeeping
+        stats.later(stats.record_step, counts[0], counts[1])
+        stats.later(self._account, stats, host, (counts[2], counts[3], counts[4], counts[1]), drafts.shape[1], fed,
+                    caches[0].capacity)
         return self._retire(rows, new_host, finished, caches, outputs)
 
     def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
