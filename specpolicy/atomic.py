@@ -12,6 +12,7 @@ rollouts and head).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -86,11 +87,23 @@ def _what(node: Any, key: str) -> Any:
     if isinstance(node, dict):
         keep = TRAINING if key.split(".")[-1] == "trainer" else None
         found = {k: _what(v, k) for k, v in node.items() if k not in WHERE and (keep is None or k in keep)}
-        if str(node.get("_target_", "")).endswith(".PretrainedSource") and isinstance(node.get("path"), str):
+        if _loads_files(node.get("_target_")) and isinstance(node.get("path"), str):
             from specpolicy.models.loading import files_digest  # which imports this module
             found["files"] = files_digest(node["path"])  # a model saved again at the same path is another model
         return found
     return [_what(v, key) for v in node] if isinstance(node, list) else node
+
+
+def _loads_files(target: Any) -> bool:
+    """Whether a `_target_` is a `PretrainedSource`, or a subclass of it: its `path` holds the model's files."""
+    from specpolicy.models.loading import PretrainedSource  # which imports this module
+
+    module, _, name = str(target).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:  # instantiate names it, where the model loads
+        return False
+    return isinstance(found, type) and issubclass(found, PretrainedSource)
 
 
 def _relative(tree: Any, home: str | None) -> Any:

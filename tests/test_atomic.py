@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from specpolicy.atomic import atomic_path, made_for, model_identity, record, record_path, settings, written
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models import PretrainedSource
 
 
 def test_a_file_and_a_folder_replace_what_was_there(tmp_path: Path) -> None:
@@ -124,3 +125,9 @@ def test_a_model_saved_again_at_the_same_path_is_another_model(tmp_path: Path) -
         written("profile", out, settings(cfg, ["target"]))
     hub = OmegaConf.create({"target": {"_target_": "specpolicy.models.PretrainedSource", "path": "owner/model"}})
     assert settings(hub, ["target"])["target"]["files"] is None  # a hub id: its revision is the hub's to keep
+    own = OmegaConf.create({"target": {"_target_": f"{__name__}.OwnSource", "path": str(folder)}})
+    assert settings(own, ["target"])["target"]["files"] == settings(cfg, ["target"])["target"]["files"]
+
+
+class OwnSource(PretrainedSource):
+    """A user's own source (its name no longer ends in PretrainedSource): its files count as well."""
