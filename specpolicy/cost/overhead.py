@@ -16,16 +16,13 @@ turns on: the engine's fixed per-step work, which the grid leaves out of both, m
 cheaper, and the correction takes that in. It may be negative (the grid keeps each cell's fastest round),
 but a draft position never costs less than nothing, so it stops at minus the draft forward.
 
-Until 2026-12-06 each round ran a plain run and then a drafting run, seconds apart at large batches, and
-slow spells of the VM between the two moved the ratio: at 2 rows on an AVX2 VM three profiles read -3.1,
-+0.3 and +8.1 ms, enough to flip `learned` between drafting and not at that load. Now one run alternates:
-`BLOCK` steps at depth 1, `BLOCK` at depth 0, and so on, and times a step only where it decodes at the depth
-of the step before (so a drafting step's draft reads what steady drafting reads, not the extra token a plain
-step left it) with every row in flight and none clamped short by its last tokens. A slow spell then lands on
-both depths alike. Each of `rounds` runs gives a ratio; their median is the one used. Side by side on a 2-core
-AVX-512 VM (SmolLM2-135M and the demo's draft, three estimates each at 1/2/4/8/16 rows), the estimates spread
-over 1.2/1.0/3.1/10.5/5.6 ms, against 1.1/1.0/5.7/6.4/15.9 ms with separate runs, in less time (135 s vs
-148 s): narrower at 4 and 16 rows, alike at 1-2, wider at 8 (one outlier). Better posed, still noisy.
+One run alternates `BLOCK` steps at depth 1 and `BLOCK` at depth 0, and times a step only where it decodes
+at the depth of the step before (so a drafting step's draft reads what steady drafting reads, not the extra
+token a plain step left it) with every row in flight and none clamped short by its last tokens, so a slow spell
+of the machine lands on both depths alike: separate plain and drafting runs, seconds apart, read -3.1, +0.3
+and +8.1 ms at 2 rows in three profiles on a 2-core AVX2 VM, enough to flip `learned` between drafting and
+not. Each of `rounds` runs gives a ratio; their median is the one used. It is better posed, still noisy
+(docs/notebook/learned_policy.md has the side-by-side spreads).
 """
 
 from __future__ import annotations
