@@ -49,6 +49,8 @@ from specpolicy.runtime import synchronize
 
 log = logging.getLogger("specpolicy")
 
+Host = dict[str, torch.Tensor]  # host copies of per-row counters (`Rows.host`), [A] each
+
 
 @dataclass
 class Rows:
@@ -69,7 +71,7 @@ class Rows:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name)[keep])
 
-    def host(self) -> dict[str, torch.Tensor]:
+    def host(self) -> Host:
         """One device-to-host copy of the small per-row counters the next step sizes its tensors with."""
         names = ("length", "t_len", "d_len", "generated")
         values = torch.stack([getattr(self, n) for n in names]).cpu()
@@ -222,22 +224,13 @@ class Engine:
         return rows
 
     # ---------------------------------------------------------------- one step
-    def _step(self, rows: Rows, host: dict, caches: tuple, policy: DepthPolicy, stats: DecodeStats,
-              outputs: list[list[int]]) -> dict:
+    def _step(self, rows: Rows, host: Host, caches: tuple[RaggedCache, RaggedCache | None], policy: DepthPolicy,
+              stats: DecodeStats, outputs: list[list[int]]) -> Host:
+        """One verify step for every row in flight: budget, draft, verify, settle, commit, observe, retire."""
         unread = int((host["length"] - host["d_len"]).max())
         state = StepState(rows.row_ids, rows.generated, rows.row_ids.numel(), int(host["length"].sum()),
                           self.max_new_tokens - int(host["generated"].min()), unread)
-        remaining = self.max_new_tokens - rows.generated
-        # the first step: the target has not read the prompts, and a fusing draft must not read them without
-        # features; the step is the target's alone, and the policy neither decides nor observes it
-        decides = not (self.fuse and bool((host["t_len"] + 1 < host["length"]).any()))
-        if decides:
-            with stats.deciding():  # the bonus token always comes
-                # a policy's float or Python int budget failed mid-decode (in gather, two steps on)
-                budget = torch.as_tensor(policy.budget(state), device=self.device).long()
-                budget = budget.clamp(0, policy.max_depth).minimum(remaining - 1)
-        else:
-            budget = torch.zeros_like(remaining)
+        budget, decides = self._budget(rows, host, policy, state, stats)
         depth = int(budget.max())
         if depth:
             drafts, p, n_draft, fed = self._draft(rows, host, caches[1], budget, policy, state, depth, stats)
@@ -248,31 +241,46 @@ class Engine:
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
         new_host = rows.host()  # the next step's sizes; a policy that copies its evidence to the host waits no more
-        # a row that kept an EOS among its drafts ended there: the drafts after it were neither kept nor
-        # rejected, so neither the policy's evidence nor the stats count them (the FLOP buckets still do)
+        counts = self._observe(policy, state, decides, stats, budget, n_draft, n_acc, n_new)
+        stats.later(self._account, stats, host, counts, drafts.shape[1], fed, caches[0].capacity)
+        return self._retire(rows, new_host, finished, caches, outputs)
+
+    def _budget(self, rows: Rows, host: Host, policy: DepthPolicy, state: StepState, stats: DecodeStats
+                ) -> tuple[torch.Tensor, bool]:
+        """Each row's draft budget [A], within the policy's depth and the row's remaining tokens (the bonus token
+        always comes), and whether the policy decides this step. On the first step the target has not read the
+        prompts, and a fusing draft must not read them without its features: that step is the target's alone,
+        and the policy neither decides nor observes it."""
+        remaining = self.max_new_tokens - rows.generated
+        if self.fuse and bool((host["t_len"] + 1 < host["length"]).any()):
+            return torch.zeros_like(remaining), False
+        with stats.deciding():
+            # as_tensor: a policy's float or Python int budget failed mid-decode (in gather, two steps on)
+            budget = torch.as_tensor(policy.budget(state), device=self.device).long()
+            return budget.clamp(0, policy.max_depth).minimum(remaining - 1), True
+
+    def _observe(self, policy: DepthPolicy, state: StepState, decides: bool, stats: DecodeStats, budget: torch.Tensor,
+                 n_draft: torch.Tensor, n_acc: torch.Tensor, n_new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Tell the policy what each row drafted and kept, and queue the step's histograms; returns host copies of
+        (budget, n_draft, kept, accepted) for the FLOP buckets. A row that kept an EOS among its drafts ended
+        there: the drafts after it were neither kept nor rejected, so neither the policy's evidence nor the stats
+        count them (the FLOP buckets still do)."""
         ended = n_new <= n_acc
         drafted, accepted = torch.where(ended, n_new, n_draft), torch.where(ended, n_new, n_acc)
         if decides:
             with stats.deciding():
                 policy.observe(state, drafted, accepted)
-        counts = torch.stack([drafted, accepted, budget, n_draft, n_new - 1]).cpu()  # one copy for the bookkeeping
-        stats.later(stats.record_step, counts[0], counts[1])
-        stats.later(self._account, stats, host, (counts[2], counts[3], counts[4], counts[1]), drafts.shape[1], fed,
-                    caches[0].capacity)
-        return self._retire(rows, new_host, finished, caches, outputs)
+        counts = torch.stack([budget, n_draft, n_new - 1, accepted, drafted]).cpu()  # one copy for the bookkeeping
+        stats.later(stats.record_step, counts[4], counts[3])
+        return tuple(counts[:4])
 
-    def _draft(self, rows: Rows, host: dict, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
-               state: StepState, depth: int, stats: DecodeStats):
-        """Propose up to `depth` tokens per row; returns drafts [A, k] (k: the most any row keeps; a token no row
-        keeps goes no further), p [A, k, V] (None when greedy), n_draft [A], and how many drafts the draft read."""
-        stats.draft_forwards += self._read_alone(self.draft, cache, rows, host, "d_len", stats)
-        unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
-        width = int((host["length"] - host["d_len"]).max())
-        logits, hidden = self._read(self.draft, cache, rows, rows.d_len, width, (unseen - 1)[:, None],
-                                    host["d_len"].max())
-        own = hidden.gather(1, (unseen - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [A, 1, d]
-        logits = logits[:, 0]
-        stats.draft_forwards += 1
+    def _draft(self, rows: Rows, host: Host, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
+               state: StepState, depth: int, stats: DecodeStats
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        """Propose up to `depth` tokens per row, the policy stopping rows after each position; returns drafts [A, k]
+        (k: the most any row keeps; a token no row keeps goes no further), p [A, k, V] (None when greedy), n_draft
+        [A], and how many drafts the draft read."""
+        logits, own = self._catch_up(rows, host, cache, stats)
         tokens, dists = [], []
         drafting = budget > 0
         n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
@@ -303,21 +311,40 @@ class Engine:
             logits = logits[:, 0]
             stats.draft_forwards += 1
         fed = i - 1  # the draft read x_1..x_{i-1} (x_i, last proposed, is read next step if kept)
-        if not tokens:  # every row stopped at x_1
-            return *self._no_drafts(len(budget)), n_draft, fed
+        return *self._pack(tokens, dists, len(budget)), n_draft, fed
+
+    def _catch_up(self, rows: Rows, host: Host, cache: RaggedCache, stats: DecodeStats
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft reads the committed tokens it has not read (long backlogs alone, the rest in one forward);
+        returns its logits [A, V] for x_1 and its own last hidden state [A, 1, d] (a fusing draft reads it next)."""
+        stats.draft_forwards += self._read_alone(self.draft, cache, rows, host, "d_len", stats)
+        unseen = rows.length - rows.d_len  # [A] committed tokens the draft has not read (>= 1)
+        width = int((host["length"] - host["d_len"]).max())
+        logits, hidden = self._read(self.draft, cache, rows, rows.d_len, width, (unseen - 1)[:, None],
+                                    host["d_len"].max())
+        stats.draft_forwards += 1
+        own = hidden.gather(1, (unseen - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))  # [A, 1, d]
+        return logits[:, 0], own
+
+    def _pack(self, tokens: list[torch.Tensor], dists: list[torch.Tensor | None], rows: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [A, k] and, when sampling, their distributions [A, k, V] over the target's ids, which the
+        rejection rule compares with the target's; none when every row stopped at x_1."""
+        if not tokens:
+            return self._no_drafts(rows)
         if self.temperature == 0:
-            return torch.stack(tokens, 1), None, n_draft, fed
+            return torch.stack(tokens, 1), None
         p = torch.stack(dists, 1)
-        if self.draft_ids is not None:  # the rejection rule compares it with the target's
+        if self.draft_ids is not None:
             p = p.new_zeros(*p.shape[:2], self.vocab).index_copy_(-1, self.draft_ids, p)
-        return torch.stack(tokens, 1), p, n_draft, fed
+        return torch.stack(tokens, 1), p
 
     def _no_drafts(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafts [rows, 0] and, when sampling, their distributions [rows, 0, V]: a step that verifies none."""
         drafts = torch.zeros(rows, 0, dtype=torch.long, device=self.device)
         return drafts, None if self.temperature == 0 else torch.zeros(rows, 0, self.vocab, device=self.device)
 
-    def _verify(self, rows: Rows, host: dict, cache: RaggedCache, drafts: torch.Tensor, stats: DecodeStats
+    def _verify(self, rows: Rows, host: Host, cache: RaggedCache, drafts: torch.Tensor, stats: DecodeStats
                 ) -> torch.Tensor:
         """Target logits [A, k+1, V] at the last committed token and after each draft token."""
         stats.target_forwards += self._read_alone(self.target, cache, rows, host, "t_len", stats)
@@ -332,7 +359,7 @@ class Engine:
         stats.target_forwards += 1
         return logits
 
-    def _read_alone(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, host: dict, seen: str,
+    def _read_alone(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, host: Host, seen: str,
                     stats: DecodeStats) -> int:
         """Rows with more than `solo_above` committed tokens `model` has not read read all but the last
         one in a forward of their own (no LM head), and are charged for exactly those tokens; returns the
@@ -410,7 +437,7 @@ class Engine:
         rows.generated = rows.generated + n_new
         return hit | (rows.generated >= self.max_new_tokens), n_new
 
-    def _account(self, stats: DecodeStats, old: dict, counts: tuple[torch.Tensor, ...], depth: int,
+    def _account(self, stats: DecodeStats, old: Host, counts: tuple[torch.Tensor, ...], depth: int,
                  fed: int | None, capacity: int) -> None:
         """Charge this step's FLOPs to useful / rejected / padding, from host copies of the counters.
 
@@ -443,7 +470,8 @@ class Engine:
             # a row whose budget ended at x_i rode along in this read: its proposal of x_(i+1) is padding
             stats.flops += self.d_flops.proposals(read.bool() & (budget > i), accepted >= i + 1)
 
-    def _retire(self, rows: Rows, host: dict, finished: torch.Tensor, caches: tuple, outputs: list[list[int]]) -> dict:
+    def _retire(self, rows: Rows, host: Host, finished: torch.Tensor, caches: tuple[RaggedCache, RaggedCache | None],
+                outputs: list[list[int]]) -> Host:
         """Move finished rows' outputs out and drop them from the batch and the caches."""
         done = finished.cpu()
         if not bool(done.any()):
