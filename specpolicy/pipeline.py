@@ -1,6 +1,6 @@
 """The Hydra tasks behind scripts/train.py and scripts/evaluate.py.
 
-Stages read their inputs from and write their outputs to `paths.experiment_dir`, so each can be
+Stages read their inputs from and write their outputs to `conf/paths/`'s folders, so each can be
 rerun alone and is skipped when its output exists.
 """
 

@@ -1,6 +1,7 @@
 """Training-pipeline stages after distillation: profile the hardware, collect rollouts, train the head.
 
-Each reads its inputs from and writes its outputs to `paths.experiment_dir`, writes atomically, and is
+Each reads its inputs from and writes its outputs to the folders `conf/paths/` names (`paths.profile_dir`,
+`paths.rollouts_dir`, `head.out_dir`: under `paths.experiment_dir` by default), writes atomically, and is
 skipped when its output exists, so `scripts/train.py` can be rerun after an interruption.
 """
 
@@ -75,7 +76,7 @@ def made_from_draft(cfg: DictConfig) -> list[Path]:
 
 
 def profile(cfg: DictConfig) -> None:
-    out = profile_file(Path(cfg.paths.experiment_dir) / "profile", cfg.runtime.device, cfg.runtime.dtype,
+    out = profile_file(Path(cfg.paths.profile_dir), cfg.runtime.device, cfg.runtime.dtype,
                        cfg.runtime.skinny_gemm)
     made_with = settings(cfg, ["target", "trained_draft", "profile"], made_from_draft(cfg))
     if written("profile", out, made_with):
@@ -148,7 +149,7 @@ def collect(cfg: DictConfig) -> None:
     The prompts are those after the first `distill.data.train_prompts`, which the draft was distilled on:
     there it is at its most confident and most often right, and a head trained on that would expect more
     than the draft delivers on new prompts."""
-    out = Path(cfg.paths.experiment_dir) / "rollouts"
+    out = Path(cfg.paths.rollouts_dir)
     made_with = settings(cfg, ["target", "trained_draft", "collect", "engine", "runtime.dtype", "data", "seed",
                                "distill.data.train_prompts"], made_from_draft(cfg))
     if written("collect", out, made_with, out / "dataset_info.json"):
@@ -217,7 +218,7 @@ def _not_evaluated(cfg: DictConfig, conversations: list, warn: bool = True) -> l
 
 def head(cfg: DictConfig) -> None:
     out = Path(cfg.head.out_dir)
-    rollouts_dir = Path(cfg.paths.experiment_dir) / "rollouts"
+    rollouts_dir = Path(cfg.paths.rollouts_dir)
     made_with = settings(cfg, ["head", "seed"], [rollouts_dir])
     if written("head", out, made_with, out / "head.pt"):
         return

@@ -1,7 +1,7 @@
 """The `distil` pipeline stage: build a draft, distil the target into it, save an HF model folder.
 
-Writes `paths.experiment_dir/draft/` (loadable by `AutoModelForCausalLM` and usable as transformers'
-`assistant_model=`) with `metrics.json` inside: validation agreement and expected acceptance before
+Writes `paths.draft_dir` (`<experiment>/draft/` by default; loadable by `AutoModelForCausalLM` and usable as
+transformers' `assistant_model=`) with `metrics.json` inside: validation agreement and expected acceptance before
 and after distillation, the draft's cost ratio, and the training wall time. Skipped when
 `draft/config.json` exists; a killed run resumes from `last.ckpt` (`distill.ckpt_path=last`).
 """
@@ -132,7 +132,7 @@ def draft_settings(cfg: DictConfig) -> dict:
 
 
 def distil(cfg: DictConfig) -> None:
-    out = Path(cfg.paths.experiment_dir) / "draft"
+    out = Path(cfg.paths.draft_dir)
     made_with = draft_settings(cfg)
     if written("distil", out, made_with, out / "config.json"):
         return
