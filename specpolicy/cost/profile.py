@@ -49,7 +49,7 @@ class LatencyProfile:
         if not path.is_file():
             others = sorted(p.name for p in path.parent.glob("*.json")) if path.parent.is_dir() else []
             found = f" (this folder holds {others}: other hardware, dtypes or kernel paths)" if others else ""
-            command = " ".join(["python scripts/train.py experiment=... stages=[profile]", settings]).strip()
+            command = " ".join(["python scripts/train.py experiment=... 'stages=[profile]'", settings]).strip()
             raise SpecPolicyError(f"no latency profile at {path}{found}; run the profile stage on this machine "
                                   f"({command})")
         damaged = f"latency profile {path} is damaged; delete it and run the profile stage again (stages=[profile])"
