@@ -149,9 +149,18 @@ def check_made_with(stage: str, out: Path, made_with: dict[str, Any], fix: str) 
     if old is None:
         log.warning("%s: %s has no record of the settings it was made with; reusing it as it is", stage, out)
         return
-    changed = _changes(_flat(old), _flat(json.loads(json.dumps(made_with))))
-    if changed:
+    if changed := _changed(old, made_with):
         raise SpecPolicyError(f"{stage}: {out} was made with other settings ({_listed(changed)}); {fix}")
+
+
+def same_settings(stage: str, out: Path, made_with: dict[str, Any]) -> bool:
+    """Whether `out` has a record of exactly `made_with`: partial work (a cache, a shard) is reused only then."""
+    old = read_record(stage, out)
+    return old is not None and not _changed(old, made_with)
+
+
+def _changed(old: dict[str, Any], made_with: dict[str, Any]) -> list:
+    return _changes(_flat(old), _flat(json.loads(json.dumps(made_with))))
 
 
 def read_record(stage: str, out: Path) -> dict[str, Any] | None:

@@ -5,9 +5,11 @@ offline-by-default wandb logger, and benchmark reports saved whole and printed."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +30,9 @@ INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was 
                "command to go on (train.py keeps finished stages, collect shards and distillation checkpoints; "
                "evaluate.py and the benchmarks start over)")
 
+log = logging.getLogger("specpolicy")
 
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # ckpt_path values that name no file
 RUN_ID = "wandb_run_id.txt"  # beside a training stage's checkpoints: the wandb run a resumed training logs into
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 FAILED_JOBS: list[str] = []  # a multirun's jobs that stopped on bad input (`FailedJobs`)
@@ -92,9 +96,12 @@ class FailedJobs(Callback):
 def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: Any) -> Any:
     """`trainer.fit` / `.validate` / `.test` (`how`), whose Ctrl-C comes back as a KeyboardInterrupt: Lightning
     shuts down gracefully, then calls sys.exit(1), which would skip entry()'s line on what was kept and how to
-    go on (and exit with 1, not 130)."""
+    go on (and exit with 1, not 130). A first run has no last.ckpt to resume: Lightning's hint to set save_last
+    (set) would mislead."""
     try:
-        return getattr(trainer, how)(module, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+            return getattr(trainer, how)(module, **kwargs)
     except SystemExit:
         if trainer.interrupted:
             raise KeyboardInterrupt from None
@@ -105,17 +112,29 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
     """Resume (`ckpt_path=last`) only a whole checkpoint of a run of `stage` with these settings: a finished run's
     last.ckpt, left behind when its output was deleted to train again with other settings, resumed at its last
     step and saved the old weights under the new ones (or, for another head size, failed inside Lightning). Then
-    record this run's settings beside its checkpoints (`atomic.record`)."""
+    record this run's settings beside its checkpoints (`atomic.record`). A run that does not resume from the
+    folder first deletes the checkpoints an earlier run left there: killed before its own first save, it left
+    them under its record, and the next run resumed the old training as if it were the new one."""
     folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
     check_ckpt_path(f"{stage} ckpt_path", ckpt_path, folder)
     if folder is None:
         return
     folder = Path(folder)
-    if ckpt_path == "last" and (folder / "last.ckpt").exists():
+    resumes = ckpt_path == "last" and (folder / "last.ckpt").exists()
+    if resumes:
         check_made_with(stage, folder, made_with, f"delete {folder} to start over with these settings, or restore "
                                                   f"those to resume it")
-    if trainer.is_global_zero:
-        record(folder, made_with)
+    if not trainer.is_global_zero:
+        return
+    if not resumes and ckpt_path not in LIGHTNING_CKPT_NAMES[1:]:  # Lightning looks for those in the folder
+        named = None if ckpt_path in (None, "last") else Path(ckpt_path)  # a file to start from, kept
+        stale = [p for p in folder.glob("*.ckpt") if named is None or not p.samefile(named)]
+        if stale:
+            log.info("%s: starting over, so the %d checkpoint(s) an earlier run left in %s are deleted", stage,
+                     len(stale), folder)
+        for path in stale:
+            path.unlink()
+    record(folder, made_with)
 
 
 def checkpoints_of(callbacks: Any) -> str | None:
@@ -130,7 +149,7 @@ def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | Path | No
     """A `ckpt_path` setting, checked before any work: a file it names, or `last` in the checkpoints `folder`."""
     if ckpt_path == "last" and folder and (Path(folder) / "last.ckpt").exists():
         check_checkpoint("the checkpoint to resume from", Path(folder) / "last.ckpt")
-    elif ckpt_path not in (None, "last", "best", "hpc", "registry"):  # else Lightning's names for one
+    elif ckpt_path not in (None, *LIGHTNING_CKPT_NAMES):
         check_checkpoint(setting, ckpt_path)
 
 

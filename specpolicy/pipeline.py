@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from specpolicy import stages
@@ -67,6 +68,8 @@ def train(cfg: DictConfig) -> None:
         stages.warn_foreign_draft(cfg, cfg.trained_draft, "train")
     torch.manual_seed(cfg.seed)
     for stage in cfg.stages:
+        if rank_zero_only.rank and stage != "distil":  # a rank that distillation's DDP launched: it trains only
+            continue
         log.info("stage %s", stage)
         STAGES[stage](cfg)
 

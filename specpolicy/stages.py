@@ -18,7 +18,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from specpolicy.atomic import atomic_path, identity, made_for, read_record, record, settings, written
+from specpolicy.atomic import (atomic_path, identity, made_for, read_record, record, record_path, same_settings,
+                               settings, written)
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
 from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
 from specpolicy.cost.profile import check_grid, measure, profile_file
@@ -91,8 +92,8 @@ def profile(cfg: DictConfig) -> None:
                                                            p.overhead_rounds)
         log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
                  [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
+    record(out, made_with)  # first: an output without its record would be reused whatever made it
     latency.save(out)
-    record(out, made_with)
     log.info("profile: saved %s", out)
 
 
@@ -139,6 +140,10 @@ def check_head(cfg: DictConfig) -> None:
     check_number("head.lr", h.lr, 0, low_open=True)
     check_number("head.val_fraction", h.val_fraction, 0, 1, low_open=True, high_open=True)
     check_trainer("head.trainer", h.trainer)
+    if h.trainer.get("devices", 1) != 1 or h.trainer.get("strategy", "auto") != "auto":
+        raise SpecPolicyError(f"the head trains on one device (it is tiny; each rank would save it): set "
+                              f"head.trainer.devices=1 and no head.trainer.strategy, got devices="
+                              f"{h.trainer.get('devices')}, strategy={h.trainer.get('strategy', 'auto')}")
     check_ckpt_path("head.ckpt_path", h.ckpt_path, checkpoints_of(h.trainer.get("callbacks")))
 
 
@@ -150,8 +155,7 @@ def collect(cfg: DictConfig) -> None:
     there it is at its most confident and most often right, and a head trained on that would expect more
     than the draft delivers on new prompts."""
     out = Path(cfg.paths.rollouts_dir)
-    made_with = settings(cfg, ["target", "trained_draft", "collect", "engine", "runtime.dtype", "data", "seed",
-                               "distill.data.train_prompts"], made_from_draft(cfg))
+    made_with = collect_settings(cfg)
     if written("collect", out, made_with, out / "dataset_info.json"):
         return
     check_collect(cfg)
@@ -165,7 +169,11 @@ def collect(cfg: DictConfig) -> None:
     sizes = fitting_batch_sizes("collect.batch_sizes", c.batch_sizes, len(prompts),
                                 "give data more train prompts, or lower distill.data.train_prompts")
     counts = {bs: min(_prompts_for(bs, c.min_prompts_per_size), len(prompts) // bs * bs) for bs in sizes}
-    shards = out.with_name("rollouts_shards")
+    shards = out.with_name("rollouts_shards")  # an interrupted collection's batch sizes, kept for its rerun
+    if shards.exists() and not same_settings("collect", shards, made_with):
+        log.info("collect: %s was decoded with other settings; starting over", shards)
+        shutil.rmtree(shards)
+    record(shards, made_with)
     for bs in tqdm(sizes, desc="collect (batch sizes)"):
         shard = shards / f"bs{bs}"
         if (shard / "dataset_info.json").exists():
@@ -176,13 +184,20 @@ def collect(cfg: DictConfig) -> None:
         with atomic_path(shard) as tmp:
             _dataset(torch.cat(recorder.records)).save_to_disk(str(tmp))
     parts = [datasets.load_from_disk(str(shards / f"bs{bs}")) for bs in sizes]
+    record(out, made_with)  # first: an output without its record would be reused whatever made it
     with atomic_path(out) as tmp:
         datasets.concatenate_datasets(parts).save_to_disk(str(tmp))
         # the prompts the head will learn from, which evaluate must not score it on
         (tmp / TRAINED_ON).write_text(digests_text(conversations[: max(counts.values())]))
-    record(out, made_with)
     shutil.rmtree(shards)
+    record_path(shards).unlink()
     log.info("collect: %d positions saved to %s", sum(len(p) for p in parts), out)
+
+
+def collect_settings(cfg: DictConfig) -> dict:
+    """What the rollouts (and an interrupted collection's shards) are made with."""
+    return settings(cfg, ["target", "trained_draft", "collect", "engine", "runtime.dtype", "data", "seed",
+                          "distill.data.train_prompts"], made_from_draft(cfg))
 
 
 def _prompts_for(batch_size: int, min_prompts: int) -> int:
@@ -246,12 +261,12 @@ def head(cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if (rollouts_dir / TRAINED_ON).exists():  # the prompts of its rollouts, which evaluate must not score it on
         shutil.copyfile(rollouts_dir / TRAINED_ON, out / TRAINED_ON)
-    module.head.save(out)  # head.pt last
     # the pair its rollouts decoded, and how (`engine`), for evaluate to compare with what it scores (not compared
-    # on a rerun here: "from rollouts" settles that)
+    # on a rerun here: "from rollouts" settles that); before head.pt, the output's mark, as every stage records
     pair = {k: v for k, v in (read_record("head", rollouts_dir) or {}).items()
             if k in ("target", "trained_draft", "engine")}
     record(out, {**made_with, **pair})
+    module.head.save(out)  # head.pt last
     log.info("head: saved %s (val/loss %.4f)", out, float(trainer.callback_metrics.get("val/loss", float("nan"))))
     finish_run()
 

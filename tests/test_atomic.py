@@ -4,11 +4,15 @@ they were made with."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
-from specpolicy.atomic import atomic_path, made_for, model_identity, record, record_path, settings, written
+from specpolicy.atomic import (atomic_path, made_for, model_identity, read_record, record, record_path, settings,
+                               written)
+from specpolicy.cli import resumable
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import PretrainedSource
 
@@ -131,3 +135,25 @@ def test_a_model_saved_again_at_the_same_path_is_another_model(tmp_path: Path) -
 
 class OwnSource(PretrainedSource):
     """A user's own source (its name no longer ends in PretrainedSource): its files count as well."""
+
+
+def test_a_run_that_starts_over_deletes_the_checkpoints_its_record_would_vouch_for(tmp_path: Path) -> None:
+    """A run with distill.ckpt_path=null recorded its settings beside the last run's last.ckpt; killed before its
+    own first save, it left that checkpoint under its record, and the next run resumed the old training as the new
+    one. A run that does not resume now deletes such checkpoints first; one it starts from is kept."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(folder)), is_global_zero=True)
+    old, new = {"lr": 3e-4}, {"lr": 1e-3}
+    record(folder, old)
+    torch.save({"run": "old"}, folder / "last.ckpt")
+    resumable("distil", trainer, None, new)
+    assert not (folder / "last.ckpt").exists() and read_record("distil", folder) == new
+    torch.save({"run": "new"}, folder / "last.ckpt")
+    resumable("distil", trainer, "last", new)  # settings the same: resumed, kept
+    assert (folder / "last.ckpt").exists()
+    with pytest.raises(SpecPolicyError, match=r"made with other settings \(lr: 0.001 -> 0.0003\)"):
+        resumable("distil", trainer, "last", old)
+    torch.save({"run": "elsewhere"}, folder / "start.ckpt")
+    resumable("distil", trainer, str(folder / "start.ckpt"), old)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["start.ckpt"]

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
+from lightning.pytorch import Callback
 from omegaconf import OmegaConf
 
+from specpolicy.atomic import record, record_path
 from specpolicy.data import TRAINED_ON, PromptSource, trained_on
 from specpolicy.errors import SpecPolicyError
 from specpolicy.stages import _not_evaluated, _unseen_by_draft
@@ -63,9 +67,24 @@ def test_collect_never_decodes_the_evaluation_prompts(tmp_path, caplog):
         _not_evaluated(cfg, instantiate(cfg.data, split="train").load())
 
 
-def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_acceptance(tmp_path):
+class LastCheckpointAtEpoch1(Callback):
+    """Whether the head's last.ckpt existed when its second epoch began (a killed run resumes from it)."""
+    seen: list[bool] = []
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = Path(dirpath)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:
+            LastCheckpointAtEpoch1.seen.append((self.dirpath / "last.ckpt").exists())
+
+
+def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_acceptance(tmp_path, monkeypatch):
     """An interrupted collection keeps the shards it finished (a marked bs1 shard survives into the rollouts)
-    and decodes only the missing ones; the head's prior is the rollouts' acceptance at draft position 1."""
+    and decodes only the missing ones, unless they were decoded with other settings (then a changed collect.k
+    was recorded over the old k's rows); the head's prior is the rollouts' acceptance at draft position 1, and a
+    killed head training has a checkpoint to resume from after each epoch (Lightning wrote last.ckpt only at the
+    end)."""
     import datasets
     import torch
 
@@ -80,13 +99,25 @@ def test_collect_resumes_at_the_missing_shard_and_the_head_starts_from_its_accep
     marked[:, COLUMNS.index("group")] = 999
     marked[:, COLUMNS.index("position")] = 1
     marked[:, COLUMNS.index("accepted")] = torch.tensor([1.0, 0.0])
-    stages._dataset(marked).save_to_disk(str(tmp_path / "tiny" / "rollouts_shards" / "bs1"))
-    stages.collect(cfg)
-    rollouts = datasets.load_from_disk(str(tmp_path / "tiny" / "rollouts")).with_format("torch")[:]
-    assert int((rollouts["group"] == 999).sum()) == 2  # bs1: the shard on disk, not decoded again
+    shards, out = tmp_path / "tiny" / "rollouts_shards", tmp_path / "tiny" / "rollouts"
+    for made_with, kept in (({"collect": {"k": 99}}, 0), (stages.collect_settings(cfg), 2)):
+        stages._dataset(marked).save_to_disk(str(shards / "bs1"))
+        record(shards, made_with)
+        shutil.rmtree(out, ignore_errors=True)
+        stages.collect(cfg)
+        rollouts = datasets.load_from_disk(str(out)).with_format("torch")[:]
+        assert int((rollouts["group"] == 999).sum()) == kept  # bs1: the shard on disk, not decoded again
     assert set(rollouts["batch_size"].tolist()) == {0.0, 4.0}  # bs4 decoded now (the marked rows say 0)
-    assert not (tmp_path / "tiny" / "rollouts_shards").exists()
-    stages.head(cfg)
+    assert not shards.exists() and not record_path(shards).exists()
+    checkpoints = cfg.head.trainer.callbacks[0].dirpath
+    cfg.head.trainer.callbacks.append({"_target_": f"{__name__}.LastCheckpointAtEpoch1", "dirpath": checkpoints})
+    with monkeypatch.context() as patched:  # killed as it records its settings: it saved the head before that
+        patched.setattr(stages, "record", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            stages.head(cfg)
+    assert not (tmp_path / "tiny" / "head" / "head.pt").exists()  # else reused, whatever settings made it
+    assert LastCheckpointAtEpoch1.seen == [True]
+    stages.head(cfg)  # resumed from the finished training's last.ckpt
     assert (tmp_path / "tiny" / "head" / TRAINED_ON).read_text() == (tmp_path / "tiny" / "rollouts" / TRAINED_ON
                                                                       ).read_text()  # what evaluate checks
     made_for = {k: json.loads((tmp_path / "tiny" / "rollouts.settings.json").read_text())[k]

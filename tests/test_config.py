@@ -137,6 +137,7 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path, c
     ("evaluate", "runtime.skinny_gemm=no", "runtime.skinny_gemm must be true or false, got 'no'"),
     ("evaluate", "eval.hf_baselines=abc", "eval.hf_baselines must be true or false, got 'abc'"),
     ("train", "head.trainer.max_epochs=0", "head.trainer.max_epochs=0 trains nothing"),  # saved a random head
+    ("train", "head.trainer.devices=2", "the head trains on one device"),  # each rank saved its own head
     ("train", "distill.scheduler.num_warmup_steps=-5", "distill.scheduler.num_warmup_steps must be an integer >= 0"),
     ("train", "stages=distil", "stages must be a list, e.g. 'stages=[distil]'"),  # was "unknown stage(s) ['d', ...]"
     ("train", "head.ckpt_path=/nowhere/x.ckpt", "head.ckpt_path: /nowhere/x.ckpt does not exist"),  # was after distil
@@ -302,10 +303,11 @@ def test_a_profile_of_one_kernel_path_never_prices_the_other(tmp_path: Path) -> 
     assert profile_file(tmp_path, "cpu", "float32", True) != profile_file(tmp_path, "cpu", "float32", False)
     assert profile_file(tmp_path, "cpu", "bfloat16", True) == profile_file(tmp_path, "cpu", "bfloat16", False)
     fake_artifacts(tmp_path / "tiny")  # measured with skinny layers: the default
-    plain = compose_config("evaluate", ["experiment=tiny", "runtime.skinny_gemm=false"], tmp_path)
     skinny = profile_file("profile", "cpu", "float32", skinny_gemm=True).name
+    record(tmp_path / "tiny" / "profile" / skinny, {})  # its settings record is not listed as a profile
+    plain = compose_config("evaluate", ["experiment=tiny", "runtime.skinny_gemm=false"], tmp_path)
     refusal = (f"no latency profile .* holds \\['{skinny}'\\].*"
-               "stages=\\[profile\\] runtime.dtype=float32 runtime.skinny_gemm=false")  # the settings to profile with
+               "'stages=\\[profile\\]' runtime.dtype=float32 runtime.skinny_gemm=false")  # the settings to profile with
     with pytest.raises(Exception, match=refusal):  # hydra wraps it
         instantiate(plain.eval.policies.learned)
 

@@ -47,7 +47,8 @@ class LatencyProfile:
         """`settings`: the overrides the profile stage needs to write this file (e.g. `runtime.dtype=bfloat16`)."""
         path = Path(path)
         if not path.is_file():
-            others = sorted(p.name for p in path.parent.glob("*.json")) if path.parent.is_dir() else []
+            others = sorted(p.name for p in path.parent.glob("*.json") if not p.name.endswith(".settings.json")
+                            ) if path.parent.is_dir() else []
             found = f" (this folder holds {others}: other hardware, dtypes or kernel paths)" if others else ""
             command = " ".join(["python scripts/train.py experiment=... 'stages=[profile]'", settings]).strip()
             raise SpecPolicyError(f"no latency profile at {path}{found}; run the profile stage on this machine "

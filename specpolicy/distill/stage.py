@@ -162,9 +162,7 @@ def distil(cfg: DictConfig) -> None:
     trainer = _trainer(cfg, timer)
     resumable("distil", trainer, d.ckpt_path, made_with)
     before = _held_out(trainer, module, datamodule)
-    with warnings.catch_warnings():  # a first run has no last.ckpt: Lightning's hint to set save_last (set) misleads
-        warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
-        # a resumed run's sampler starts at the checkpoint's step (`StepBatchSampler`): nothing is read twice
+    with warnings.catch_warnings():  # a resumed run's sampler starts at its step (`StepBatchSampler`): none read twice
         warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable")
         run_trainer(trainer, "fit", module, datamodule=datamodule, ckpt_path=d.ckpt_path)
     train_s = timer.time_elapsed("train")
@@ -186,8 +184,8 @@ def distil(cfg: DictConfig) -> None:
     if vocab is not None:  # a standard HF folder with the full head, and the subset beside it
         restore_full_head(merged, full_head)
         files[VOCAB_FILE] = vocab_file_text(vocab)
+    record(out, made_with)  # first: an output without its record would be reused whatever made it
     save_model(out, merged.eval(), target.tokenizer, files)
-    record(out, made_with)
     log.info("distil: validation agreement %.3f -> %.3f, expected acceptance %.3f -> %.3f, c = %.3f (FLOPs), %.0f s; "
              "saved %s", before["agreement"], after["agreement"], before["expected_acceptance"],
              after["expected_acceptance"], draft.cost["flops_ratio"], train_s, out)
