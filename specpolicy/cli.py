@@ -27,7 +27,7 @@ from specpolicy.atomic import atomic_path, check_made_with, record
 from specpolicy.errors import SpecPolicyError
 
 INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was left half-written; rerun the same "
-               "command to go on (train.py keeps finished stages, collect shards and distillation checkpoints; "
+               "command to go on (train.py keeps finished stages, collect shards and training checkpoints; "
                "evaluate.py and the benchmarks start over)")
 
 log = logging.getLogger("specpolicy")
