@@ -35,8 +35,8 @@ from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_gene
 from specpolicy.eval.report import EXACT_DTYPES, VIOLATED, is_engine
 from specpolicy.eval.runner import Baseline, full_batches, side_by_side, summarise
 from specpolicy.models import LoadedModel
-from specpolicy.pipeline import hardware
 from specpolicy.policy import ArPolicy, DepthPolicy, StaticPolicy
+from specpolicy.runtime import hardware
 from specpolicy.stages import load_pair
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))

@@ -16,10 +16,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from specpolicy.cli import entry, publish
-from specpolicy.cost.profile import device_name, time_grid
+from specpolicy.cost.profile import time_grid
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models.skinny import applies, use_skinny_gemm
-from specpolicy.runtime import check_runtime, resolve_device, resolve_dtype
+from specpolicy.runtime import check_runtime, device_name, resolve_device, resolve_dtype
 from specpolicy.stages import check_grid_fits, check_profile
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import platform
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -22,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from specpolicy import stages
 from specpolicy.atomic import identity, made_for, read_record
 from specpolicy.cli import check_out_dir, experiment_logger, finish_run, job_overrides, per_job
-from specpolicy.cost.profile import device_name, profile_file
+from specpolicy.cost.profile import profile_file
 from specpolicy.data import TRAINED_ON, Conversation, PromptSource, encode_prompts, trained_on
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
@@ -34,7 +32,7 @@ from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.policy import DepthPolicy, OraclePolicy
 from specpolicy.policy.goodput import DraftConfidence, GoodputPolicy, HeadEstimator
-from specpolicy.runtime import check_runtime
+from specpolicy.runtime import check_runtime, hardware
 
 log = logging.getLogger("specpolicy")
 
@@ -286,9 +284,3 @@ def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: Lo
         k = cfg.eval.hf_assisted_k
         baselines["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, k, eos, **warp)
     return baselines
-
-
-def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} {device_name(device)}, {os.cpu_count()} CPU cores, torch {torch.__version__}"

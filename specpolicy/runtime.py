@@ -1,7 +1,11 @@
-"""Device and dtype resolution shared by every stage, with errors that name valid values."""
+"""Device and dtype resolution shared by every stage, with errors that name valid values, and the names
+profiles and reports give the hardware."""
 
 from __future__ import annotations
 
+import os
+import platform
+import re
 from typing import Any
 
 import torch
@@ -50,3 +54,23 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels so wall-clock timings measure work, not launches."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """A file-name-safe name for the hardware a profile holds for: the GPU's model, or for a CPU the vector
+    instructions torch dispatches to, plus `bf16` where the CPU has bf16 dot products (AVX512-BF16 or AMX).
+    VMs that all call themselves `AMD EPYC` came with AVX2 on one day and AVX-512 BF16 on another, and
+    their curves differ most in bf16, so a profile of one must not price the other."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        name = f"cpu-{torch.backends.cpu.get_cpu_capability()}{'-bf16' if bf16 else ''}"
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def hardware(device: torch.device) -> str:
+    """What a report says it was measured on: the GPU's model, or the CPU's architecture, ISA and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} {device_name(device)}, {os.cpu_count()} CPU cores, torch {torch.__version__}"

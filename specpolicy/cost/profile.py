@@ -9,7 +9,6 @@ change, so the cost model interpolates between measured points instead of fittin
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from specpolicy.decode.cache import RaggedCache, forward
 from specpolicy.errors import SpecPolicyError, check_bool, check_counts, is_number
 from specpolicy.models import skinny
 from specpolicy.models.fusion import timing_features
-from specpolicy.runtime import resolve_device, resolve_dtype, synchronize
+from specpolicy.runtime import device_name, resolve_device, resolve_dtype, synchronize
 
 
 @dataclass
@@ -109,19 +108,6 @@ def profile_file(directory: str | Path, device: str, dtype: str, skinny_gemm: bo
         return Path(directory)
     kernels = "-skinny" if skinny_gemm and skinny.applies(device, resolve_dtype(dtype)) else ""
     return Path(directory) / f"{device_name(device)}-{dtype}{kernels}.json"
-
-
-def device_name(device: torch.device) -> str:
-    """A file-name-safe name for the hardware a profile holds for: the GPU's model, or for a CPU the vector
-    instructions torch dispatches to, plus `bf16` where the CPU has bf16 dot products (AVX512-BF16 or AMX).
-    VMs that all call themselves `AMD EPYC` came with AVX2 on one day and AVX-512 BF16 on another, and
-    their curves differ most in bf16, so a profile of one must not price the other."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-        name = f"cpu-{torch.backends.cpu.get_cpu_capability()}{'-bf16' if bf16 else ''}"
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
 class ForwardTimer:
