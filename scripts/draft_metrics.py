@@ -2,15 +2,15 @@
 
     python scripts/draft_metrics.py experiment=smollm2_135m_long [overrides]
     python scripts/draft_metrics.py draft@trained_draft=pretrained trained_draft.source.path=DIR_OR_HUB_ID
-    python scripts/draft_metrics.py experiment=... +decode_depth=4 engine.max_new_tokens=64
+    python scripts/draft_metrics.py experiment=... decode_depth=6 engine.max_new_tokens=64
 
 Greedy agreement and expected acceptance of `trained_draft` (the experiment's distilled draft by default)
 on the validation prompts (what distillation settings are chosen on) and the test prompts (what evaluate
 decodes; never tuned on). Agreement scores a draft's first token after the target's context only; past
 it a draft reads its own guesses (a fusing draft its own hidden states too), so under "decoded" the
-engine decodes the validation prompts greedily at static depth `decode_depth` (default 4, batch 8) and
-reports the acceptance at each draft position. Needs no training data. Prints JSON and writes it to
-`checkpoints/<experiment>/draft_held_out.json`.
+engine decodes the validation prompts greedily at static depth `decode_depth` (in batches of
+`decode_batch_size`; conf/draft_metrics.yaml) and reports the acceptance at each draft position. Needs no
+training data. Prints JSON and writes it to `checkpoints/<experiment>/draft_held_out.json`.
 """
 
 import json
@@ -34,7 +34,7 @@ from specpolicy.policy import StaticPolicy
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
 
-def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, depth: int, batch_size: int = 8) -> dict:
+def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, depth: int, batch_size: int) -> dict:
     """Acceptance by draft position when the engine decodes the validation prompts at static depth `depth`."""
     engine = instantiate(cfg.engine, temperature=0.0)(target.model, draft.model)  # greedy, whatever engine says
     conversations = instantiate(cfg.data, split="validation", limit=cfg.distill.data.val_prompts).load()
@@ -52,16 +52,17 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, depth: int
 
 def report(cfg: DictConfig) -> None:
     check_settings(cfg.engine)
-    depth = check_count("decode_depth", cfg.get("decode_depth", 4))  # before the held-out metrics; 0 decodes no drafts
+    depth = check_count("decode_depth", cfg.decode_depth)  # before the held-out metrics; 0 decodes no drafts
+    batch_size = check_count("decode_batch_size", cfg.decode_batch_size)
     target, draft = saved_pair(cfg)
-    text = json.dumps({**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft, depth)},
-                      indent=2)
+    metrics = {**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft, depth, batch_size)}
+    text = json.dumps(metrics, indent=2)
     print(text)
     with atomic_path(per_job(cfg.paths.experiment_dir) / "draft_held_out.json") as tmp:
         tmp.write_text(text)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path="../conf", config_name="draft_metrics")
 def main(cfg: DictConfig) -> None:
     entry(report, cfg)
 

@@ -154,7 +154,7 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     assert all((c is None) == (r == 0) for c, r in zip(decoded["conditional_at"], decoded["reached_at"]))  # not 0.0
     assert all(a <= r <= d for a, r, d in zip(decoded["accepted_at"], decoded["reached_at"], decoded["drafted_at"]))
     assert all(r <= a for r, a in zip(decoded["reached_at"][1:], decoded["accepted_at"]))  # i reached: i-1 kept
-    no_depth = run("draft_metrics.py", "experiment=tiny", "debug=fast", "+decode_depth=0", tmp_path=tmp_path)
+    no_depth = run("draft_metrics.py", "experiment=tiny", "debug=fast", "decode_depth=0", tmp_path=tmp_path)
     assert_clean_error(no_depth, "error: decode_depth must be an integer >= 1, got 0")
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
