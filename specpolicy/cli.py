@@ -113,8 +113,8 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
     last.ckpt, left behind when its output was deleted to train again with other settings, resumed at its last
     step and saved the old weights under the new ones (or, for another head size, failed inside Lightning). Then
     record this run's settings beside its checkpoints (`atomic.record`). A run that does not resume from the
-    folder first deletes the checkpoints an earlier run left there: killed before its own first save, it left
-    them under its record, and the next run resumed the old training as if it were the new one."""
+    folder first deletes the last.ckpt an earlier run left there: killed before its own first save, it left that
+    under its record, and the next run resumed the old training as if it were the new one."""
     folder = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None
     check_ckpt_path(f"{stage} ckpt_path", ckpt_path, folder)
     if folder is None:
@@ -128,10 +128,11 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
         return
     if not resumes and ckpt_path not in LIGHTNING_CKPT_NAMES[1:]:  # Lightning looks for those in the folder
         named = None if ckpt_path in (None, "last") else Path(ckpt_path)  # a file to start from, kept
-        stale = [p for p in folder.glob("*.ckpt") if named is None or not p.samefile(named)]
+        # Lightning's "last" resumes last*.ckpt; the folder's other files are not this stage's to delete
+        stale = [p for p in folder.glob("last*.ckpt") if named is None or not p.samefile(named)]
         if stale:
-            log.info("%s: starting over, so the %d checkpoint(s) an earlier run left in %s are deleted", stage,
-                     len(stale), folder)
+            log.info("%s: starting over, so the last checkpoint an earlier run left in %s is deleted", stage,
+                     folder)
         for path in stale:
             path.unlink()
     record(folder, made_with)

@@ -140,7 +140,8 @@ class OwnSource(PretrainedSource):
 def test_a_run_that_starts_over_deletes_the_checkpoints_its_record_would_vouch_for(tmp_path: Path) -> None:
     """A run with distill.ckpt_path=null recorded its settings beside the last run's last.ckpt; killed before its
     own first save, it left that checkpoint under its record, and the next run resumed the old training as the new
-    one. A run that does not resume now deletes such checkpoints first; one it starts from is kept."""
+    one. A run that does not resume now deletes the last*.ckpt that "last" would resume; a file it starts from,
+    and other files in the folder, are kept."""
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(folder)), is_global_zero=True)
@@ -155,5 +156,9 @@ def test_a_run_that_starts_over_deletes_the_checkpoints_its_record_would_vouch_f
     with pytest.raises(SpecPolicyError, match=r"made with other settings \(lr: 0.001 -> 0.0003\)"):
         resumable("distil", trainer, "last", old)
     torch.save({"run": "elsewhere"}, folder / "start.ckpt")
+    torch.save({"run": "older"}, folder / "last-v1.ckpt")  # Lightning's name when last.ckpt was taken
     resumable("distil", trainer, str(folder / "start.ckpt"), old)
     assert sorted(p.name for p in folder.glob("*.ckpt")) == ["start.ckpt"]
+    torch.save({"run": "mine"}, folder / "mine.ckpt")  # a user's file where the checkpoints go is not ours
+    resumable("distil", trainer, None, new)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["mine.ckpt", "start.ckpt"]
