@@ -185,7 +185,8 @@ class Engine:
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, (list, tuple)) or not all(
                 isinstance(p, (list, tuple)) or isinstance(p, torch.Tensor) and p.dim() == 1 for p in prompts):
             raise SpecPolicyError("prompts must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]]): "
-                                  "encode text with the target's tokenizer first")
+                                  "encode text with the target's tokenizer first (specpolicy.data.encode_prompts "
+                                  "applies its chat template to messages)")
         prompts = [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
         if not prompts:
             raise SpecPolicyError("no prompts to decode: pass a list of token-id lists, e.g. [[1, 2, 3]]")

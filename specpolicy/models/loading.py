@@ -135,7 +135,8 @@ class PretrainedSource:
     def _converted(self, gguf: Path) -> Path:
         """An HF folder holding the dequantised GGUF weights, converted once and cached."""
         if not self.cache_dir:
-            raise SpecPolicyError("loading a GGUF file needs a cache_dir for its converted copy (paths.cache_dir)")
+            raise SpecPolicyError("loading a GGUF file needs a cache_dir for its converted copy: set paths.cache_dir, "
+                                  "or from Python PretrainedSource(path=..., cache_dir='checkpoints/.cache')")
         with gguf.open("rb") as f:  # by content: a re-exported file of the same size must not load the old weights
             digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]  # 0.07 s for SmolLM2-135M's 98 MB
         out = Path(self.cache_dir) / "models" / f"{gguf.stem}-{digest}"
