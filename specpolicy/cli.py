@@ -126,8 +126,9 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
                                                   f"those to resume it")
     if not trainer.is_global_zero:
         return
-    if not resumes and ckpt_path not in LIGHTNING_CKPT_NAMES[1:]:  # Lightning looks for those in the folder
-        named = None if ckpt_path in (None, "last") else Path(ckpt_path)  # a file to start from, kept
+    starts_over = not resumes and ckpt_path in (None, "last")
+    named = Path(ckpt_path) if ckpt_path not in (None, *LIGHTNING_CKPT_NAMES) else None  # a file to start from, kept
+    if starts_over or named:  # ("best" and the like Lightning finds in the folder: left as they are)
         # Lightning's "last" resumes last*.ckpt; the folder's other files are not this stage's to delete
         stale = [p for p in folder.glob("last*.ckpt") if named is None or not p.samefile(named)]
         if stale:
