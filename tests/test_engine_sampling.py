@@ -223,10 +223,14 @@ def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_with_mass_top_p(dtyp
         sorted_p, order = p.double().sort(-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens, in float64
         unsort = lambda t: torch.zeros_like(t).scatter(-1, order, t)  # noqa: E731
-        expected, close = unsort(before <= top_p), unsort((before - top_p).abs() < 1e-5)
+        expected, close = unsort(before < top_p), unsort((before - top_p).abs() < 1e-5)
         tied = expected[:, :10] | expected[:, 10:20]  # sorting kept one of a tied pair at the boundary: keep both
         expected[:, :10], expected[:, 10:20] = tied, tied
         assert torch.equal(kept[~close], expected[~close]), top_p
+    # at the boundary itself, with masses that sum exactly: a token after others that hold top_p is not kept
+    exact = torch.tensor([[0.5, 0.25, 0.125, 0.125]], dtype=dtype)
+    for top_p, n in ((0.5, 1), (0.75, 2), (0.8, 4)):  # the two 0.125s are tied: kept or dropped together
+        assert int((sampling.probs(exact.log(), 1.0, top_p) > 0).sum()) == n, top_p
 
 
 def test_the_warped_distribution_is_temperature_then_the_smallest_top_p_set() -> None:
