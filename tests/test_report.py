@@ -130,6 +130,7 @@ def test_a_policy_s_batches_add_up_whatever_their_sizes(tiny_model) -> None:
     engine = Engine(model.model, model.model, max_new_tokens=6)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11], [12]]
     a, b = (engine.generate(batch, StaticPolicy(k=2)).stats for batch in (prompts[:4], prompts[4:]))
+    assert DecodeStats.total([b, a]).batch_size == 4  # the largest batch's, whichever comes first
     total = DecodeStats.total([a, b])
     for name in ("tokens", "steps", "row_steps", "drafted", "accepted", "target_forwards"):
         assert getattr(total, name) == getattr(a, name) + getattr(b, name), name
@@ -172,6 +173,9 @@ def test_each_prompt_draws_its_own_random_stream(tiny_model) -> None:
     engine = Engine(model, model, max_new_tokens=16, temperature=1.0)
     first, second = side_by_side(engine, [[3, 4, 5]] * 2, {"ar": ArPolicy()}, 1)["ar"].outputs
     assert first != second
+    # at batch 2 too: a batch's first prompt is numbered by its place in the prompt list, not by the batch's
+    outputs = side_by_side(engine, [[3, 4, 5]] * 4, {"ar": ArPolicy()}, 2)["ar"].outputs
+    assert len({tuple(o) for o in outputs}) == 4
 
 
 def test_a_last_batch_smaller_than_the_batch_size_is_left_out(tiny_model, caplog) -> None:
@@ -183,19 +187,20 @@ def test_a_last_batch_smaller_than_the_batch_size_is_left_out(tiny_model, caplog
     assert "the last 1 of 3 prompts fill no batch" in caplog.text
 
 
-def test_a_policy_that_writes_another_output_is_caught(tiny_model) -> None:
-    """The losslessness guard itself: an engine policy's output that differs from `ar`'s at prompt 1 is
+@pytest.mark.parametrize("at", [0, 1])  # prompt 0 too: its index is falsy
+def test_a_policy_that_writes_another_output_is_caught(tiny_model, at: int) -> None:
+    """The losslessness guard itself: an engine policy's output that differs from `ar`'s at prompt `at` is
     reported as a mismatch there (other tests only see lossless runs, or inject the field by hand)."""
     model = tiny_model()
     engine = Engine(model.model, model.model, max_new_tokens=4)
     runs = side_by_side(engine, [[3, 4, 5], [6, 7], [8, 9]], {"ar": ArPolicy(), "static_k1": StaticPolicy(k=1)}, 1)
-    wrong = runs["static_k1"].outputs[1]
+    wrong = runs["static_k1"].outputs[at]
     wrong[-1] = (wrong[-1] + 1) % 250
     rows = {row["policy"]: row for row in summarise(runs)}
     assert rows["ar"]["first_mismatch"] is None
-    assert rows["static_k1"]["first_mismatch"] == 1 and rows["static_k1"]["ar_match"] == 2 / 3
+    assert rows["static_k1"]["first_mismatch"] == at and rows["static_k1"]["ar_match"] == 2 / 3
     assert report.lossless(meta(), list(rows.values()))["mismatches"] == [
-        {"policy": "static_k1", "batch_size": 1, "first_mismatch": 1}]
+        {"policy": "static_k1", "batch_size": 1, "first_mismatch": at}]
 
 
 def read_json(out: Path) -> dict:
