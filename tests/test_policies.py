@@ -17,7 +17,8 @@ from specpolicy.cost.model import CostModel
 from specpolicy.cost.profile import LatencyProfile
 from specpolicy.decode import Engine
 from specpolicy.errors import SpecPolicyError
-from specpolicy.policy import ConfidencePolicy, EntropyPolicy, StaticPolicy, StepState
+from specpolicy.models.draft import LayerSubsetDraft
+from specpolicy.policy import ConfidencePolicy, EntropyPolicy, OraclePolicy, StaticPolicy, StepState
 from specpolicy.policy.baselines import DisableByBatchPolicy, HeuristicPolicy, ThresholdPolicy
 from specpolicy.policy.goodput import GoodputPolicy, HeadEstimator, batch_tokens, expected_max_normal
 from specpolicy.policy.head import DepthHead, HeadConfig
@@ -172,6 +173,15 @@ def test_the_baselines_decide_as_their_names_say() -> None:
     switch = DisableByBatchPolicy(k=3, threshold=4)
     assert switch.budget(state(3)).tolist() == [3, 3, 3] and switch.budget(state(4)).tolist() == [0] * 4
 
+    # the oracle compares x_i with the target's token at the row's own position: one token in, x_1 is the 2nd
+    oracle = OraclePolicy(k=3)
+    oracle.set_reference([[10, 11, 12, 13]])
+    oracle.reset(1)
+    one_in = StepState(torch.arange(1), torch.tensor([1]), 1, 5)
+    assert oracle.keep(None, torch.tensor([11]), one_in, 1).tolist() == [True]
+    assert oracle.keep(None, torch.tensor([12]), one_in, 1).tolist() == [False]
+    assert oracle.keep(None, torch.tensor([12]), one_in, 2).tolist() == [True]
+
 
 def drafted_depth(policy: GoodputPolicy, rows: int, top1: float = 0.99) -> int:
     """How deep `policy` drafts a batch of `rows` rows whose draft has top-1 probability `top1` everywhere (the
@@ -310,6 +320,45 @@ def test_the_budget_ends_where_the_rows_do() -> None:
     assert bool(policy.keep(features, torch.zeros(1, dtype=torch.long), state, 1))
 
 
+def one_row(remaining: int | None = None, unread: int = 1) -> StepState:
+    return StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining, unread)
+
+
+def test_a_row_that_would_not_draft_checks_with_one_token_only() -> None:
+    """A row whose estimate (prior 0.3; batch 1 breaks even at ~0.36) says "do not draft" may still check, where
+    an optimistic bound on it pays: with one token, whatever depth that bound would choose, since one token buys
+    the evidence."""
+    policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=4, prior=0.3, optimism=3.0)
+    policy.reset(1)
+    assert int(policy.budget(one_row())) == 1
+
+
+def test_old_evidence_fades_back_to_the_prior() -> None:
+    """With memory < 1 a row's evidence fades each step: a perfect step makes a hopeless row draft, and thirty
+    steps on it no longer does."""
+    policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=4, prior=0.05, optimism=0.0,
+                           memory=0.5)
+    policy.reset(1)
+    assert int(policy.budget(one_row())) == 0
+    policy.observe(one_row(), torch.tensor([4]), torch.tensor([4]))
+    assert int(policy.budget(one_row())) > 0
+    for _ in range(30):
+        depth = int(policy.budget(one_row()))
+    assert depth == 0
+
+
+def test_the_draft_s_catch_up_is_shared_by_the_steps_left() -> None:
+    """After 100 tokens decoded plainly the draft must read them before it drafts again: paid once, shared by
+    the steps left in the row (its tokens left over the tokens per step), so it pays with 7 tokens left and not
+    with 6 (shared by the tokens left instead, it paid with 6)."""
+    def budget(remaining: int) -> int:
+        policy = GoodputPolicy(synthetic.profile(), k=4, prior=0.2, optimism=0.0)
+        policy.reset(1)
+        return int(policy.budget(one_row(remaining, unread=100)))
+
+    assert budget(6) == 0 and budget(7) == 1
+
+
 def test_engine_follows_the_goodput_rule_per_load(tiny_model) -> None:
     """Through the engine: at batch 1 a row that keeps being accepted learns to draft deep; at batch 64 no
     row drafts at all (not even the first draft forward)."""
@@ -363,6 +412,20 @@ def test_policies_refuse_settings_outside_their_range(make, message: str) -> Non
     with pytest.raises(SpecPolicyError, match=re.escape(message)):
         make()
     EntropyPolicy(k=4, threshold=2.0)  # entropy is in nats: above 1 is a real threshold
+
+
+def test_counts_and_only_counts_go_on_a_log_scale() -> None:
+    """One head spans batch 1 and batch 64 because position, rows and tokens enter as log2(1 + x); the draft's
+    probabilities enter as they are (a logistic head with weight 1 returns its input's transform)."""
+    for name, value, expected in (("tokens", 255.0, 8.0), ("rows", 3.0, 2.0), ("position", 1.0, 1.0),
+                                  ("top1", 0.5, 0.5)):
+        head = DepthHead(HeadConfig(layers=0, features=(name,)))
+        with torch.no_grad():
+            head.mlp[-1].weight.fill_(1.0)
+            head.mlp[-1].bias.fill_(0.0)
+        features = torch.zeros(1, len(FEATURE_NAMES))
+        features[0, COLUMN[name]] = value
+        assert float(head(features)) == pytest.approx(expected), name
 
 
 def test_head_round_trip(tmp_path: Path) -> None:
@@ -444,7 +507,7 @@ class CountsRejections(StaticPolicy):
 
 def test_recording_policy_labels_conditional_acceptance(tiny_model) -> None:
     target = tiny_model()
-    draft = tiny_model(seed=1)
+    draft = LayerSubsetDraft(layers=[0, 1, 2]).build(target)  # agrees with the target now and then
     inner = CountsRejections(k=3)
     recorder = RecordingPolicy(inner)
     engine = Engine(target.model, draft.model, max_new_tokens=10, eos_token_id=[])
@@ -452,7 +515,7 @@ def test_recording_policy_labels_conditional_acceptance(tiny_model) -> None:
     records = torch.cat(recorder.records)
     assert records.shape[1] == len(COLUMNS)
     label, position = records[:, COLUMNS.index("accepted")], records[:, COLUMNS.index("position")]
-    assert int(label.sum()) == result.stats.accepted  # every accepted draft is a positive
+    assert 0 < int(label.sum()) == result.stats.accepted  # every accepted draft is a positive
     # a row reaches position i only if 1..i-1 were accepted, so the negatives are the first rejections, one per
     # cut-short step: recording every drafted position would add the rejected drafts after them
     assert 0 < inner.rejections and len(records) == result.stats.accepted + inner.rejections
@@ -526,10 +589,10 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
     else does."""
     import time
 
+    import specpolicy.cost.overhead as overhead
     from specpolicy.cost.overhead import drafting_overhead
     from specpolicy.cost.profile import measure
     from specpolicy.decode import sampling
-    from specpolicy.models.draft import LayerSubsetDraft
 
     target = tiny_model()
     draft = LayerSubsetDraft([0, 1]).build(target).model
@@ -553,17 +616,23 @@ def test_the_profile_measures_what_a_drafting_step_costs_beyond_its_forwards(tin
     assert all(cost.step_ms(rows, 1) > 5 * cost.step_ms(rows, 0) for rows in (1, 2))
     result = Engine(target.model, draft, max_new_tokens=5, eos_token_id=[]).generate([[1, 2, 3]], StaticPolicy(k=1))
     assert len(result.stats.step_s) == result.stats.steps
+    # a drafting step timed at a hundredth of a plain one (a slow spell of the plain steps): a draft position
+    # never costs less than nothing, so the correction stops at minus the draft forward
+    monkeypatch.setattr(overhead, "step_ratio", lambda *args: 0.01)
+    floor = drafting_overhead(target.model, draft, profile, steps=32, rounds=1)
+    assert floor == pytest.approx([-cost.forward_ms("draft", rows, 1) for rows in (1, 2)])
 
 
-def test_the_overhead_probe_times_only_steady_steps_of_a_full_batch(tiny_model) -> None:
+@pytest.mark.parametrize("draft_layers, n", [([0, 1], 32), ([0, 1, 2, 3], 31)])
+def test_the_overhead_probe_times_only_steady_steps_of_a_full_batch(tiny_model, draft_layers, n: int) -> None:
     """The probe alternates depth 1 and 0 within one run, so a slow spell of the machine lands on both; it times
     a step only where the step before ran at its depth (a drafting step whose draft reads no more than steady
-    drafting leaves it), every row is in flight, and no row's depth was clamped by its last tokens."""
+    drafting leaves it), every row is in flight, and no row's depth was clamped by its last tokens (a draft
+    identical to the target moves rows 2 tokens per drafting step: with 31 new tokens one starts at 30)."""
     from specpolicy.cost.overhead import BLOCK, WARM_STEPS, _AlternatingProbe
-    from specpolicy.models.draft import LayerSubsetDraft
 
     target = tiny_model()
-    draft = LayerSubsetDraft([0, 1]).build(target).model
+    draft = LayerSubsetDraft(draft_layers).build(target).model
 
     class Seen(_AlternatingProbe):  # what each step's policy calls were told
         def reset(self, batch_size: int) -> None:
@@ -577,8 +646,8 @@ def test_the_overhead_probe_times_only_steady_steps_of_a_full_batch(tiny_model) 
         def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
             self.seen[-1].append(drafted.tolist())
 
-    probe = Seen(k=1, max_new_tokens=32)
-    stats = Engine(target.model, draft, max_new_tokens=32, eos_token_id=[]).generate([[1, 2, 3], [4, 5]], probe).stats
+    probe = Seen(k=1, max_new_tokens=n)
+    stats = Engine(target.model, draft, max_new_tokens=n, eos_token_id=[]).generate([[1, 2, 3], [4, 5]], probe).stats
     seen = probe.seen
     assert len(probe.depths) == len(stats.step_s) == len(seen)
     assert probe.depths[:2 * BLOCK] == [1] * BLOCK + [0] * BLOCK
