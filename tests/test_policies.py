@@ -419,10 +419,9 @@ def test_counts_and_only_counts_go_on_a_log_scale() -> None:
     probabilities enter as they are (a logistic head with weight 1 returns its input's transform)."""
     for name, value, expected in (("tokens", 255.0, 8.0), ("rows", 3.0, 2.0), ("position", 1.0, 1.0),
                                   ("top1", 0.5, 0.5)):
-        head = DepthHead(HeadConfig(layers=0, features=(name,)))
-        with torch.no_grad():
-            head.mlp[-1].weight.fill_(1.0)
-            head.mlp[-1].bias.fill_(0.0)
+        head = DepthHead(HeadConfig(layers=0, features=(name,))).requires_grad_(False)
+        head.mlp[-1].weight.fill_(1.0)
+        head.mlp[-1].bias.fill_(0.0)
         features = torch.zeros(1, len(FEATURE_NAMES))
         features[0, COLUMN[name]] = value
         assert float(head(features)) == pytest.approx(expected), name
