@@ -58,9 +58,9 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch
 def nucleus_floor(p: torch.Tensor, top_p: float) -> torch.Tensor:
     """The least probability top-p keeps, per row of p [..., V]: the smallest t such that the tokens more likely
     than t hold less than `top_p`, so that {p >= t} is the smallest set, in order of probability, with mass >= top_p
-    (ties kept together; "at most" kept one more token where the tokens above it already held exactly top_p). Found by bisection on t's bits (positive floats order as their integer views): 31
-    masked sums in float32, without sorting the vocabulary: top-p over 16 rows of SmolLM2's 49k scores took 19 ms
-    against the sort's 37 (2 threads of this CPU), and 58 against 108 ms over a verify pass's 16 x 3 rows."""
+    (ties kept together). Found by bisection on t's bits (positive floats order as their integer views): 31 masked
+    sums in float32, without sorting the vocabulary: top-p over 16 rows of SmolLM2's 49k scores took 19 ms against
+    the sort's 37 (2 threads of this CPU), and 58 against 108 ms over a verify pass's 16 x 3 rows."""
     bits = BITS[p.dtype]
     lo = torch.zeros(p.shape[:-1], dtype=bits, device=p.device)  # all the mass lies above 0: more than top_p
     hi = p.view(bits).amax(-1)  # none lies above the largest
