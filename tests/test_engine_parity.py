@@ -19,7 +19,7 @@ import torch
 
 import synthetic
 from conftest import DEVICE, TINY
-from specpolicy.decode import DecodeResult, Engine
+from specpolicy.decode import DecodeResult, DecodeStats, Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel, RandomInitSource
@@ -288,12 +288,29 @@ def test_drafts_after_a_kept_eos_are_neither_kept_nor_rejected(case: Case) -> No
     assert bool(torch.cat(recorder.records)[:, COLUMNS.index("accepted")].eq(1).all())
 
 
+def test_a_kept_eos_ends_the_evidence_where_the_row_ends(tiny_model) -> None:
+    """Three drafts, the 2nd an EOS the target keeps, the 3rd one it would reject: the row ends at the EOS, so
+    its policy hears of 2 drafts, both kept, not of a rejection (an identical draft, above, never rejects after
+    its EOS, so this step is built by hand)."""
+    class Heard(DepthPolicy):
+        def observe(self, state: StepState, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+            self.heard = drafted.tolist(), accepted.tolist()
+
+    engine, policy = Engine(tiny_model().model), Heard()
+    state = StepState(torch.arange(1, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE), 1, 3)
+    three, two = (torch.tensor([n], device=DEVICE) for n in (3, 2))
+    engine._observe(policy, state, True, DecodeStats(max_depth=3, batch_size=1), three, three, two, two)
+    assert policy.heard == ([2], [2])
+
+
 @pytest.mark.parametrize("eos", ["none", "early"])
 def test_oracle_with_identical_draft_is_never_rejected(case: Case, eos: str) -> None:
     everyone = list(range(len(case.prompts)))
     stats = case.run("oracle", "same", everyone, NO_EOS if eos == "none" else (case.eos,), N).stats
     assert stats.drafted > 0
     assert stats.acceptance_rate == 1.0, (stats.accepted, stats.drafted)
+    if eos == "none":  # it drafts every token the target keeps, up to k=4: 5 tokens per step, as static k=4 would
+        assert stats.target_forwards - case.read_alone(everyone) == -(-N // 5)
 
 
 def test_oracle_never_sends_a_rejected_token(case: Case) -> None:

@@ -202,6 +202,19 @@ def test_a_policy_that_keeps_no_draft_samples_what_plain_decoding_samples(models
     assert stopped.outputs == engine.generate(prompts, ArPolicy()).outputs
 
 
+def test_a_residual_with_no_mass_samples_from_the_target(monkeypatch) -> None:
+    """Where the draft's distribution covers the target's everywhere (q <= p, equal up to rounding), a rejection
+    has probability ~0 and max(0, q - p) has no mass to sample from: the row samples q itself. Forced here with a
+    uniform of 1 - 1e-12, which rejects a draft token whose q / p is 1 - 1e-9."""
+    monkeypatch.setattr(sampling, "uniform", lambda seeds, index, stream: torch.full(index.shape, 1 - 1e-12,
+                                                                                     dtype=torch.float64))
+    p = torch.tensor([[[0.0, 1.0]]], dtype=torch.float64)
+    q = torch.tensor([[[0.0, 1.0 - 1e-9], [0.0, 1.0]]], dtype=torch.float64)
+    zero = torch.zeros(1, dtype=torch.long)
+    n_acc, token = sampling.accept(torch.tensor([[1]]), p, q, torch.tensor([1]), zero, zero)
+    assert n_acc.tolist() == [0] and token.tolist() == [1]
+
+
 def test_chi_square_p_value_matches_tables() -> None:
     """60/40 heads in 100 fair flips: chi-square 4.0 on 1 df, p = 0.0455; 10 cells off by 10 each: p from tables."""
     assert math.isclose(chi_square_p(torch.tensor([60, 40]), torch.tensor([0.5, 0.5])), 0.0455003, rel_tol=1e-5)

@@ -246,7 +246,11 @@ def test_a_fusing_draft_wastes_what_it_reads_again(target, drafts, prompts) -> N
 
 
 def test_weak_draft_wastes_flops(target, drafts, prompts) -> None:
-    stats = decode(target, drafts["partial"], prompts, StaticPolicy(k=3)).stats
+    """Rejected drafts cost the target their verify slots, not only the draft its forwards: with the draft's
+    FLOPs counted as nothing, the target's alone are rejected."""
+    engine = Engine(target.model, drafts["partial"], max_new_tokens=N, eos_token_id=[])
+    engine.d_flops = FlopModel(matmul_params=0.0, n_layer=0, d_attn=0)
+    stats = engine.generate(prompts, StaticPolicy(k=3)).stats
     assert stats.acceptance_rate < 1.0 and stats.flops[1] > 0
 
 

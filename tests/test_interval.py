@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specpolicy.eval.interval import MIN_UNITS, ratio_interval
+from specpolicy.eval.interval import MIN_UNITS, expanded_tail, ratio_interval
 
 
 def test_drift_that_hits_both_decoders_of_a_unit_cancels():
@@ -28,6 +28,14 @@ def test_noise_between_decoders_widens_the_interval_around_the_ratio_of_totals()
     faster = [(200, s) for _, s in tie]
     low, high = ratio_interval(faster, ar)
     assert 1.8 < low < 2.0 < high < 2.2
+
+
+def test_the_tails_are_hesterbergs_expanded_ones():
+    """Phi(sqrt(n / (n - 1)) * t(n - 1, 0.025)): at 6 batches sqrt(6/5) * -2.5706 = -2.8159, so 0.243% per tail;
+    the simulation below is one-sided and too loose to tell this from the plain 2.5%."""
+    assert expanded_tail(6) == pytest.approx(0.2432, abs=1e-4)
+    assert expanded_tail(16) == pytest.approx(1.3856, abs=1e-4)
+    assert expanded_tail(100_000) == pytest.approx(2.5, abs=1e-3)
 
 
 def test_too_few_units_give_no_interval():

@@ -140,6 +140,14 @@ def test_a_policy_s_batches_add_up_whatever_their_sizes(tiny_model) -> None:
     assert total.mean_accepted == (a.tokens + b.tokens) / (a.row_steps + b.row_steps)
 
 
+def test_depth_by_load_is_filed_under_the_rows_in_flight() -> None:
+    """The depth-vs-load plot reads depth_at_load[r] / steps_at_load[r]: depths drafted, and row-steps, at r rows."""
+    stats = DecodeStats(max_depth=2, batch_size=2)
+    stats.record_step(torch.tensor([2, 1]), torch.tensor([1, 0]))
+    stats.record_step(torch.tensor([2]), torch.tensor([2]))
+    assert stats.depth_at_load.tolist() == [0, 2, 3] and stats.steps_at_load.tolist() == [0, 1, 2]
+
+
 def test_baselines_are_timed_in_the_rotation_and_only_compared_with_ar(tiny_model) -> None:
     """transformers' decoders join every pass and every batch's rotation; a baseline whose outputs differ from
     `ar`'s shows its share of matching prompts, and is not a losslessness violation of the engine."""

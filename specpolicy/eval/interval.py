@@ -55,6 +55,12 @@ def ratio_interval(a: Sequence[Unit], b: Sequence[Unit], level: float = 0.95,
     (tok_a, s_a), (tok_b, s_b) = (np.stack([t[batch] for batch in common]).T for t in (a_batches, b_batches))
     pick = np.random.default_rng(seed).integers(0, n, size=(RESAMPLES, n))
     ratio = (tok_a[pick].sum(1) / s_a[pick].sum(1)) / (tok_b[pick].sum(1) / s_b[pick].sum(1))
-    tail = 100 * stats.norm.cdf(np.sqrt(n / (n - 1)) * stats.t.ppf((1 - level) / 2, n - 1))
+    tail = expanded_tail(n, level)
     low, high = np.percentile(ratio, [tail, 100 - tail])
     return float(low), float(high)
+
+
+def expanded_tail(n: int, level: float = 0.95) -> float:
+    """The percent of resamples each end of a `level` interval over n batches leaves out: 0.24 at 6 batches for
+    95%, against the plain percentile interval's 2.5, which it nears as n grows."""
+    return 100 * stats.norm.cdf(np.sqrt(n / (n - 1)) * stats.t.ppf((1 - level) / 2, n - 1))
