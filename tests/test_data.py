@@ -124,13 +124,19 @@ def test_a_folder_or_an_unknown_split_is_named(tmp_path: Path, caplog: pytest.Lo
     """A folder was "does not exist"; a split typo (`tset`) was "no prompts", without the splits there are."""
     with pytest.raises(SpecPolicyError, match="is a folder; point data.prompts_file at a file in it"):
         PromptSource(prompts_file=str(tmp_path)).load()
-    mixed = tmp_path / "mixed.jsonl"  # rows without a split: None in the column
-    mixed.write_text('{"prompt": "a", "split": "test"}\n{"prompt": "b"}\n')
+    mixed = tmp_path / "mixed.jsonl"  # rows without a split (None in the column), or in one no stage reads
+    rows = [{"prompt": "a", "split": "test"}, {"prompt": "b"}, {"prompt": "c", "split": "TEST"},
+            {"prompt": "d", "split": "dev"}, {"prompt": "e", "split": "train"}]
+    mixed.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with caplog.at_level("WARNING", logger="specpolicy"):  # dropped without a word
         assert PromptSource(prompts_file=str(mixed)).load() == [[{"role": "user", "content": "a"}]]
-    assert "1 of the 2 rows of" in caplog.text and "have no `split`; they are in no split" in caplog.text
+    assert ("3 of the 5 rows of" in caplog.text and "are in no split the pipeline reads (1 with no `split`, 1 in "
+            "split 'TEST', 1 in split 'dev')" in caplog.text)
     PromptSource(prompts_file=str(mixed)).load()  # distil reads three splits of one file: said once
-    assert caplog.text.count("have no `split`") == 1
+    assert caplog.text.count("in no split the pipeline reads") == 1
+    caplog.clear()
+    PromptSource(prompts_file=str(mixed), split="dev").load()  # read by this run: not among the unread
+    assert "2 of the 5 rows" in caplog.text and "'dev'" not in caplog.text
     with pytest.raises(SpecPolicyError, match=r"data.split='tset' is not a split of .*; choose one of "
                                               r"\['test', 'train', 'validation', 'all'\]"):
         PromptSource(split="tset").load()

@@ -8,6 +8,7 @@ from/value turns. Chat templates are applied by the tokenizer in `encode_prompts
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -30,6 +31,7 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # other `from` values (s
 Conversation = list[dict[str, str]]
 # beside a trained draft or depth head: digests of the prompts it was trained on (`digests_text`, `trained_on`)
 TRAINED_ON = "trained_on.json"
+PIPELINE_SPLITS = ("train", "validation", "test")  # distillation and rollouts, held-out metrics, evaluation
 
 
 @dataclass
@@ -57,8 +59,10 @@ class PromptSource:
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self.name}; choose one of "
                                       f"{splits + ['all']}")
-            if unsplit := sum(split in (None, "") for split in rows["split"]):  # only data.split=all reads them
-                _warn_unsplit(self.name, unsplit, len(rows))
+            named = ["" if s in (None, "") else str(s) for s in rows["split"]]
+            unread = [s for s in named if s not in (*PIPELINE_SPLITS, self.split)]
+            if unread:  # `TEST`, `dev`, or no split at all: rows no stage reads unless data.split names them
+                _warn_unread(self.name, tuple(sorted(collections.Counter(unread).items())), len(rows))
             rows = rows.filter(lambda r: r["split"] not in (None, "") and str(r["split"]) == self.split)
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
@@ -126,9 +130,11 @@ class PromptSource:
 
 
 @functools.cache  # once per file: distil reads three splits of it, evaluate one more
-def _warn_unsplit(name: str, unsplit: int, rows: int) -> None:
-    log.warning("%d of the %d rows of %s have no `split`; they are in no split (data.split=all reads every row)",
-                unsplit, rows, name)
+def _warn_unread(name: str, splits: tuple[tuple[str, int], ...], rows: int) -> None:
+    counts = ", ".join(f"{n} {'with no `split`' if split == '' else f'in split {split!r}'}" for split, n in splits)
+    log.warning("%d of the %d rows of %s are in no split the pipeline reads (%s); it reads %s, data.split=<name> "
+                "one split and data.split=all every row", sum(n for _, n in splits), rows, name, counts,
+                ", ".join(PIPELINE_SPLITS))
 
 
 def _load_file(path: Path) -> datasets.Dataset:
