@@ -36,8 +36,8 @@ log = logging.getLogger("specpolicy")
 
 BUCKET_COLOURS = {"useful": "tab:green", "rejected": "tab:red", "padding": "tab:gray"}
 META = {"date": "date", "hardware": "hardware", "device": "device", "dtype": "dtype", "target": "target",
-        "draft": "draft", "temperature": "temperature", "top p": "top_p", "seed": "seed", "prompts": "num_prompts",
-        "max new tokens": "max_new_tokens", "overrides": "overrides"}
+        "draft": "draft", "temperature": "temperature", "top p": "top_p", "seed": "seed",
+        "prompts loaded": "num_prompts", "max new tokens": "max_new_tokens", "overrides": "overrides"}
 DASH = "–"
 INTERVAL = "{0[0]:.2f}-{0[1]:.2f}x"  # a (low, high) speedup interval
 VIOLATED = "LOSSLESSNESS VIOLATED"
@@ -104,7 +104,7 @@ def batch_sizes(runs: list[dict]) -> list[int]:
 
 def batch_heading(runs: list[dict], batch_size: int) -> str:
     """"Batch size 4 (3 batches, 12 prompts)": only full batches are decoded, so a batch size that does not divide
-    the prompts decodes fewer of them than the report's header says."""
+    the prompts decodes fewer of them than the header's "prompts loaded"."""
     batches = max(len({u[2] for u in r.get("units") or []}) for r in runs if r["batch_size"] == batch_size)
     if not batches:  # rows made without the runner's timings
         return f"Batch size {batch_size}"
