@@ -92,6 +92,9 @@ def profile(cfg: DictConfig) -> None:
                                                            p.overhead_rounds)
         log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
                  [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
+    if odd := latency.outliers():
+        log.warning("profile: %s; was the machine busy? Delete %s and profile again on an idle machine, or the "
+                    "load-aware policies price their depths from these", "; ".join(odd), out)
     record(out, made_with)  # first: an output without its record would be reused whatever made it
     latency.save(out)
     log.info("profile: saved %s", out)

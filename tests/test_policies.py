@@ -468,6 +468,19 @@ def test_a_profile_file_can_be_named_and_loads_past_its_grid_are_named(tmp_path:
     assert "static" not in caplog.text
 
 
+def test_timings_a_busy_machine_explains_are_flagged() -> None:
+    """A forward 1.5x slower than one of as many rows and tokens or more, or a drafting correction above a whole
+    target forward, is the machine's doing, not the curve's (its kernel steps are far smaller): the profile stage
+    warns about them (a profile measured beside a training run read 1189 ms for 2 rows x 7 tokens, 47 for 1 row)."""
+    profile = synthetic.profile(overhead_ms=5.0)
+    assert profile.outliers() == []
+    profile.target_ms[1][6] *= 40  # 2 rows x 7 tokens
+    profile.draft_step_overhead_ms[2] = 1000.0  # 4 rows
+    found = profile.outliers()
+    assert len(found) == 2, found
+    assert "target's forward of 2 rows x 7 tokens took 1760.0 ms" in found[0] and "at 4 rows cost 1000.0" in found[1]
+
+
 def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
     """A profile whose latencies do not fill its grid failed mid-decode with an IndexError in the cost model."""
     path = tmp_path / "p.json"

@@ -8,6 +8,7 @@ change, so the cost model interpolates between measured points instead of fittin
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -84,6 +85,23 @@ class LatencyProfile:
         if any(ms + row[0] < 0 for ms, row in zip(overhead, self.draft_ms)):  # `cost.overhead` stops there
             return "its draft_step_overhead_ms make a draft position cost less than nothing"
         return None
+
+    def outliers(self, factor: float = 1.5) -> list[str]:
+        """Timings a busy machine would explain: a forward `factor` times slower than one of at least as many rows
+        and tokens, or a drafting correction above the target's whole forward at its rows. Kernel changes make
+        steps in the curve, not inversions this large; the cost model would price every decision from them."""
+        found = []
+        for name, ms in (("target", self.target_ms), ("draft", self.draft_ms)):
+            for i, j in itertools.product(range(len(self.rows)), range(len(self.tokens))):
+                larger = min(ms[a][b] for a in range(i, len(self.rows)) for b in range(j, len(self.tokens)))
+                if ms[i][j] > factor * larger:
+                    found.append(f"the {name}'s forward of {self.rows[i]} rows x {self.tokens[j]} tokens took "
+                                 f"{ms[i][j]:.1f} ms, {ms[i][j] / larger:.1f}x a larger one")
+        for rows, extra, row in zip(self.rows, self.draft_step_overhead_ms or [], self.target_ms):
+            if extra > row[0]:
+                found.append(f"a drafting step at {rows} rows cost {extra:.1f} ms beyond its forwards, more than a "
+                             f"target forward ({row[0]:.1f} ms)")
+        return found
 
 
 def check_grid(rows, tokens, prefix: str = "profile.") -> tuple[list[int], list[int]]:
