@@ -144,10 +144,12 @@ def check_held_out(cfg: DictConfig, source: PromptSource, conversations: list[Co
                         cfg.data.split, what, path)
         elif seen:
             fewer = f"set eval.num_prompts={seen[0]}, or " if seen[0] else ""
+            held_out = ("a `split` column in the file, test for the rows to evaluate" if source.serves_every_split
+                        else "data.split=test")  # a file without the column is every split, test too
             raise SpecPolicyError(f"{len(seen)} of the {len(conversations)} prompts evaluate would decode "
                                   f"({source.name}, split={cfg.data.split}) are prompts {what} at {path} was trained "
                                   f"on (the first: prompt {seen[0]}), where its results are optimistic; {fewer}decode "
-                                  f"prompts it never trained on (data.split=test, or another data.prompts_file)")
+                                  f"prompts it never trained on ({held_out}, or another data.prompts_file)")
 
 
 def check_eval_settings(eval_cfg: DictConfig) -> None:

@@ -337,8 +337,9 @@ def test_a_draft_is_not_evaluated_on_its_own_training_prompts(tmp_path: Path, ca
     draft.mkdir(parents=True)
     (draft / TRAINED_ON).write_text(digests_text([[{"role": "user", "content": t}] for t in texts[2:]]))
     with pytest.raises(SpecPolicyError, match=r"2 of the 4 prompts evaluate would decode .* the draft at .* trained on "
-                                              r"\(the first: prompt 2\).*set eval.num_prompts=2"):
-        evaluate(cfg)
+                                              r"\(the first: prompt 2\).*set eval.num_prompts=2.*a `split` column in "
+                                              r"the file, test for the rows to evaluate"):
+        evaluate(cfg)  # data.split=test would read the whole file again
     source = instantiate(cfg.data)
     policies = {"learned": cfg.eval.policies.learned}
     check_held_out(cfg, source, source.load()[:2], policies)  # the held-out rows alone
