@@ -63,7 +63,7 @@ class PromptSource:
             unread = [s for s in named if s not in (*PIPELINE_SPLITS, self.split)]
             if unread:  # `TEST`, `dev`, or no split at all: rows no stage reads unless data.split names them
                 _warn_unread(self.name, tuple(sorted(collections.Counter(unread).items())), len(rows))
-            rows = rows.filter(lambda r: r["split"] not in (None, "") and str(r["split"]) == self.split)
+            rows = rows.select([i for i, split in enumerate(named) if split == self.split])
         if self.limit is not None:
             rows = rows.select(range(min(self.limit, len(rows))))
         conversations = [self._conversation(row, i) for i, row in enumerate(rows)]
