@@ -29,6 +29,11 @@ from specpolicy.rollout.features import COLUMN, FEATURE_NAMES, draft_features
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+def one_row(remaining: int | None = None, unread: int = 1) -> StepState:
+    """One row in flight with 64 context tokens: the step the goodput tests decide on."""
+    return StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining, unread)
+
+
 def test_cost_model_interpolates_between_measured_points() -> None:
     cost = CostModel(synthetic.profile())
     assert cost.forward_ms("target", 4, 3) == pytest.approx(30 + 4 * 3)  # on the grid
@@ -48,7 +53,7 @@ def test_the_drafting_overhead_is_paid_per_draft_position_and_can_call_drafting_
     def budget(profile) -> int:  # one row, its prior acceptance 0.3: a draft token pays only if cheap
         policy = GoodputPolicy(profile, k=4, prior=0.3, optimism=0.0)
         policy.reset(1)
-        return int(policy.budget(StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64)).max())
+        return int(policy.budget(one_row()).max())
 
     assert budget(synthetic.profile()) >= 1
     assert budget(synthetic.profile(overhead_ms=10.0)) == 0
@@ -70,7 +75,7 @@ def test_drafting_starts_only_where_the_rest_of_the_row_repays_reading_the_promp
     def budget(unread: int, remaining: int) -> int:
         policy = GoodputPolicy(synthetic.profile(), k=4, prior=0.2, optimism=0.0)
         policy.reset(1)
-        state = StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining, unread)
+        state = one_row(remaining, unread)
         return int(policy.budget(state).max())
 
     assert budget(unread=1, remaining=4) == 1
@@ -298,7 +303,7 @@ def test_a_drafted_token_is_judged_on_what_verifying_it_costs() -> None:
     def keeps(k: int, top1: float) -> bool:
         policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=k, prior=0.9)
         policy.reset(1)
-        state = StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64)
+        state = one_row()
         assert int(policy.budget(state)) == k
         features = torch.zeros(1, len(FEATURE_NAMES))
         features[:, COLUMN["top1"]] = top1
@@ -313,15 +318,11 @@ def test_the_budget_ends_where_the_rows_do() -> None:
     (kept at 0.2, as with k=1 above), not as a step towards an x_2 that will never be drafted (stopped at 0.2)."""
     policy = GoodputPolicy(synthetic.profile(per_token_ms=2.0, draft_share=0.3), k=3, prior=0.9)
     policy.reset(1)
-    state = StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining=2)
+    state = one_row(remaining=2)
     assert int(policy.budget(state)) == 1
     features = torch.zeros(1, len(FEATURE_NAMES))
     features[:, COLUMN["top1"]] = 0.2
     assert bool(policy.keep(features, torch.zeros(1, dtype=torch.long), state, 1))
-
-
-def one_row(remaining: int | None = None, unread: int = 1) -> StepState:
-    return StepState(torch.arange(1), torch.zeros(1, dtype=torch.long), 1, 64, remaining, unread)
 
 
 def test_a_row_that_would_not_draft_checks_with_one_token_only() -> None:
