@@ -31,15 +31,17 @@ class RaggedCache(Cache):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self._write_index: torch.Tensor | None = None  # [B, W] slots the current forward writes
+        self._expanded: dict[torch.Size, torch.Tensor] = {}  # that index expanded to a layer's [B, H, W, D]
         self._kv_len = 0
         self._width = 0
-        self._rows = slice(None)
+        self._rows: slice | None = None  # None: every row
 
-    def begin(self, starts: torch.Tensor, width: int, kv_len: int, rows: slice = slice(None)) -> None:
-        """Before a forward of `width` tokens per row of `rows`, starting at `starts` [len(rows)]."""
+    def begin(self, starts: torch.Tensor, width: int, kv_len: int, rows: slice | None = None) -> None:
+        """Before a forward of `width` tokens per row of `rows` (None: all), starting at `starts` [len(rows)]."""
         self._rows = rows
         slots = starts[:, None] + torch.arange(width, device=starts.device)  # [B, W]
         self._write_index = slots.clamp(max=self.capacity - 1)
+        self._expanded.clear()
         self._kv_len = min(kv_len, self.capacity)
         self._width = width
 
@@ -49,11 +51,20 @@ class RaggedCache(Cache):
             shape = lambda t: (self.batch, H, self.capacity, t.shape[-1])  # noqa: E731
             self.keys[layer_idx] = key_states.new_zeros(shape(key_states))
             self.values[layer_idx] = value_states.new_zeros(shape(value_states))
-        k, v = self.keys[layer_idx][self._rows], self.values[layer_idx][self._rows]  # views: writes land in place
-        index = self._write_index[:, None, :, None]  # [B, 1, W, 1]
-        k.scatter_(2, index.expand(-1, k.shape[1], -1, k.shape[3]), key_states)
-        v.scatter_(2, index.expand(-1, v.shape[1], -1, v.shape[3]), value_states)
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self._rows is not None:  # views of some rows: writes land in place
+            k, v = k[self._rows], v[self._rows]
+        k.scatter_(2, self._index(key_states.shape), key_states)
+        v.scatter_(2, self._index(value_states.shape), value_states)
         return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
+
+    def _index(self, shape: torch.Size) -> torch.Tensor:
+        """The write index expanded to new states of `shape` [B, H, W, D], once per forward and shape. Expanding it in
+        each of SmolLM2-135M's 30 layers, and viewing every row when all are written, made one decode step's cache
+        writes take 0.36 ms (of a 27 ms step, fp32 CPU) against 0.21 ms now; transformers' DynamicCache: 0.26 ms."""
+        if shape not in self._expanded:
+            self._expanded[shape] = self._write_index[:, None, :, None].expand(shape)
+        return self._expanded[shape]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (finished rows leave the batch and stop costing compute)."""
@@ -77,9 +88,9 @@ class RaggedCache(Cache):
 
 def forward(
     model: PreTrainedModel, cache: RaggedCache, tokens: torch.Tensor, starts: torch.Tensor, kv_len: int,
-    keep: torch.Tensor, max_position: int, rows: slice = slice(None), features: torch.Tensor | None = None,
+    keep: torch.Tensor, max_position: int, rows: slice | None = None, features: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `tokens` [B, W] of cache rows `rows` at per-row offsets `starts` [B]; return logits at positions
+    """Run `tokens` [B, W] of cache rows `rows` (None: all) at per-row offsets `starts` [B]; return logits at positions
     `keep` [B, K] and the final hidden states [B, W, d] (a fusing draft's features, `models.fusion`; it
     also reads `features` [B, W, d]). The logits are over the tokens the model can write (`models.vocab.scorer`):
     the whole vocabulary, or a draft's subset in the subset's own order.
