@@ -5,8 +5,9 @@ such skinny float32 products at a fraction of memory bandwidth: on a 2-core AMD 
 MKL 2024.2) a SmolLM2-135M forward of 1, 2, 3 and 5 tokens took 43, 72, 90 and 62 ms, so verifying a
 draft token cost as much as generating one. The same product written as `weight @ x.T` (the rows become
 the columns of a tall GEMM, which streams the weight once) took 25, 26, 33 and 43 ms: plain decoding runs
-~1.7x faster and a 2-token verify costs about what 1 token does, as on a GPU. A single row is repeated
-once, because a one-column product falls back to the slow matrix-vector path. Other dtypes, devices and
+~1.7x faster and a 2-token verify costs about what 1 token does, as on a GPU. A single row is stacked
+twice, because a one-column product falls back to the slow matrix-vector path (stacked by `torch.cat`:
+`Tensor.repeat` took 6 us against 1 us, ~1 ms of the 211 products in a one-token forward). Other dtypes, devices and
 products of more than `MAX_ROWS` rows keep `F.linear`: this CPU's bfloat16 kernels were already flat
 (29-32 ms for 1-16 tokens) and slower through this path. `scripts/bench_skinny.py` measures both ways
 (`runtime.skinny_gemm=false` switches it off).
@@ -31,7 +32,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows > MAX_ROWS or not applies(x.device, x.dtype):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    out = torch.mm(weight, flat.repeat(2, 1).T if rows == 1 else flat.T).T[:rows]
+    out = torch.mm(weight, torch.cat([flat, flat]).T if rows == 1 else flat.T).T[:rows]
     if bias is not None:
         out = out + bias
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
