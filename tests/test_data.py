@@ -51,6 +51,19 @@ def test_the_prompt_column_is_a_setting(tmp_path: Path) -> None:
                                                                                           "content": "Say hi."}]]
 
 
+def test_prompts_that_read_as_numbers_stay_text(tmp_path: Path) -> None:
+    """pandas made a CSV column of `12` and `007` floats, and the error said the prompt column was missing; a JSON
+    number is named as what it is."""
+    path = tmp_path / "numbers.csv"
+    path.write_text("id,question\n1,12\n2,007\n")
+    assert PromptSource(prompts_file=str(path), prompt_field="question").load() == [
+        [{"role": "user", "content": "12"}], [{"role": "user", "content": "007"}]]
+    path = tmp_path / "numbers.jsonl"
+    path.write_text('{"prompt": 42}\n')
+    with pytest.raises(SpecPolicyError, match=r"row 0 of .*; its 'prompt' is 42, not text; write prompts as strings$"):
+        PromptSource(prompts_file=str(path)).load()
+
+
 def test_chat_data_sets_decode_up_to_the_reply(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """ShareGPT's from/value turns read as role/content ones, and a reference reply at the end is dropped: with it,
     the chat template opened a second assistant turn after it, and the model answered its own answer."""

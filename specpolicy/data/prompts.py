@@ -85,6 +85,8 @@ class PromptSource:
             return [{"role": "user", "content": prompt}]
         if any(isinstance(value, list) for value in row.values()) and Path(self.name).suffix == ".json":
             fix = "a .json prompts file must hold a list of objects, one per prompt (or write JSONL, one per line)"
+        elif prompt is not None and not isinstance(prompt, str):  # {"prompt": 42}: the column is there
+            fix = f"its {self.prompt_field!r} is {prompt!r:.40}, not text; write prompts as strings"
         else:
             fix = "name the prompt's column with data.prompt_field=COLUMN"
         raise SpecPolicyError(f"{where} has neither a non-empty {self.prompt_field!r} string nor a 'messages' list "
@@ -111,7 +113,7 @@ class PromptSource:
     def _rows(self) -> datasets.Dataset:
         """The source's rows, read once: `load`, `splits` and `serves_every_split` all need them."""
         if self.prompts_file:
-            rows = _load_file(Path(self.prompts_file).expanduser())
+            rows = _load_file(Path(self.prompts_file).expanduser(), self.prompt_field)
             if Path(self.prompts_file).suffix == ".txt":  # one prompt per line; blank lines separate nothing
                 rows = rows.filter(lambda r: bool(r["text"].strip()))
                 if self.prompt_field != "text":
@@ -126,7 +128,7 @@ class PromptSource:
                        "check the name and network, or use data.prompts_file=PATH")
                 raise SpecPolicyError(f"cannot load hub dataset {self.hub_dataset!r} ({err.__class__.__name__}: "
                                       f"{why}); {fix}") from err
-        return _load_file(EMBEDDED)
+        return _load_file(EMBEDDED, self.prompt_field)
 
 
 @functools.cache  # once per file: distil reads three splits of it, evaluate one more
@@ -137,7 +139,9 @@ def _warn_unread(name: str, splits: tuple[tuple[str, int], ...], rows: int) -> N
                 ", ".join(PIPELINE_SPLITS))
 
 
-def _load_file(path: Path) -> datasets.Dataset:
+def _load_file(path: Path, prompt_field: str) -> datasets.Dataset:
+    """A prompts file's rows; a CSV's `prompt_field` column is read as text (pandas made a column of numbers,
+    `12` or `007`, floats, and the error then said the prompt was missing)."""
     if path.is_dir():
         raise SpecPolicyError(f"prompts file {str(path)!r} is a folder; point data.prompts_file at a file in it")
     if not path.is_file():
@@ -155,7 +159,7 @@ def _load_file(path: Path) -> datasets.Dataset:
             raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a "
                                   f"'prompt' field")
     # a text file's byte-order mark stayed in its first prompt (the JSON and CSV readers drop it)
-    options = {"encoding": "utf-8-sig"} if builder == "text" else {}
+    options = {"text": {"encoding": "utf-8-sig"}, "csv": {"converters": {prompt_field: str}}}.get(builder, {})
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as err:  # datasets wraps the parser's error: name the innermost one, which says where
