@@ -163,6 +163,11 @@ def test_a_limit_of_no_prompts_is_refused() -> None:
 def test_prompt_longer_than_context_is_refused() -> None:
     with pytest.raises(SpecPolicyError, match="exceeds the model's context of 64; .* lower engine.max_new_tokens$"):
         encode_prompts(byte_tokenizer(), [[{"role": "user", "content": "x" * 100}]], context_length=64)
+    several = [[{"role": "user", "content": "x" * n}] for n in (100, 10, 90, 80, 70, 60, 50)]
+    with pytest.raises(SpecPolicyError, match=r"^6 of 7 prompts, with 8 tokens of generation each, exceed the model's "
+                                              r"context of 64: prompts 0 \(119 tokens\), 2 \(109 tokens\), .*, 5 "
+                                              r"\(\d+ tokens\), \.\.\., numbered from 0; shorten them"):
+        encode_prompts(byte_tokenizer(), several, context_length=64, reserve=8)
     # from a notebook: strings, or a LoadedModel, ended in transformers' "Chat messages should be dicts ... 'h'"
     with pytest.raises(SpecPolicyError, match="prompt 0 is not a conversation: encode_prompts takes a list of them"):
         encode_prompts(byte_tokenizer(), ["hello"], context_length=64)

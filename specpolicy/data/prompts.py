@@ -249,13 +249,17 @@ def encode_prompts(
                                       f"(roles, order) in the prompts file") from err
         else:
             text = "\n\n".join(m["content"] for m in conversation)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) + reserve > context_length:
-            raise SpecPolicyError(
-                f"prompt {i} is {len(ids)} tokens, and with {reserve} tokens of generation it exceeds the "
-                f"model's context of {context_length}; shorten the prompt or lower engine.max_new_tokens"
-            )
-        encoded.append(ids)
+        encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    over = [(i, len(ids)) for i, ids in enumerate(encoded) if len(ids) + reserve > context_length]
+    if len(over) == 1:
+        [(i, n)] = over
+        raise SpecPolicyError(f"prompt {i} is {n} tokens, and with {reserve} tokens of generation it exceeds the "
+                              f"model's context of {context_length}; shorten the prompt or lower engine.max_new_tokens")
+    if over:  # all of them at once: naming the first alone made a user fix a file one prompt per run
+        listed = ", ".join(f"{i} ({n} tokens)" for i, n in over[:5]) + (", ..." if len(over) > 5 else "")
+        raise SpecPolicyError(f"{len(over)} of {len(encoded)} prompts, with {reserve} tokens of generation each, "
+                              f"exceed the model's context of {context_length}: prompts {listed}, numbered from 0; "
+                              f"shorten them or lower engine.max_new_tokens")
     return encoded
 
 
