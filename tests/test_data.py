@@ -76,6 +76,17 @@ def test_chat_data_sets_decode_up_to_the_reply(tmp_path: Path, caplog: pytest.Lo
     assert PromptSource(prompts_file=str(path)).load() == [
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], messages]
     assert "1 of 2 conversations in" in caplog.text and "trailing assistant turns are dropped" in caplog.text
+    assert "repeat an earlier one" not in caplog.text
+
+
+def test_repeated_prompts_are_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file with copies weighed them twice in every mean without a word; a copy up to the reply counts too."""
+    path = tmp_path / "copies.jsonl"
+    reply = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in
+                            ({"prompt": "Hi"}, {"prompt": "Bye"}, {"messages": reply}, {"prompt": "Bye"})))
+    assert len(PromptSource(prompts_file=str(path)).load()) == 4
+    assert f"2 of 4 prompts in {path} (split='test') repeat an earlier one; every copy is used" in caplog.text
 
 
 def test_chat_messages_and_template(tmp_path: Path) -> None:

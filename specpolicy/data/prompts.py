@@ -73,7 +73,12 @@ class PromptSource:
         if replied:  # a chat data set's reference reply: the model is to write its own
             log.warning("%d of %d conversations in %s end with an assistant turn; decoding starts before it "
                         "(the trailing assistant turns are dropped)", replied, len(conversations), self.name)
-        return [_without_reply(c) for c in conversations]
+        conversations = [_without_reply(c) for c in conversations]
+        repeats = len(conversations) - len(set(map(_digest, conversations)))
+        if repeats:  # a copy weighs a prompt twice in every mean, and trains on it twice
+            log.warning("%d of %d prompts in %s (split=%r) repeat an earlier one; every copy is used", repeats,
+                        len(conversations), self.name, self.split)
+        return conversations
 
     def _conversation(self, row: dict[str, Any], index: int) -> Conversation:
         where = f"row {index} of {self.name}"
