@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
 import synthetic
@@ -67,11 +68,16 @@ def test_every_group_option_instantiates(group: str, option: str, tmp_path: Path
     if group == "debug" or not node:  # debug edits other groups; logger=none / empty groups are "nothing"
         return
     gpu_only = (group, option) in NEEDS_GPU and not torch.cuda.is_available()
-    if "_target_" not in node or gpu_only:  # plain settings (e.g. distill), instantiated inside their stage
+    objects = node.values() if group == "callbacks" else [node]  # callbacks: a dict of them, by name
+    if gpu_only or not all("_target_" in obj for obj in objects):  # plain settings (distill), built in their stage
         OmegaConf.to_container(node, resolve=True)
         return
-    obj = instantiate(node)
-    assert obj is not None
+    for obj in objects:  # what `_target_` names: a class's instance, or a function waiting for its arguments
+        built, target = instantiate(obj), get_object(obj._target_)
+        if obj.get("_partial_"):
+            assert isinstance(built, functools.partial) and built.func is target, built
+        else:
+            assert isinstance(built, target), built
 
 
 def test_evaluate_runs_every_policy_by_its_report_name(tmp_path: Path) -> None:
