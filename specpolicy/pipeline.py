@@ -181,11 +181,10 @@ def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
     if (oracles := [name for name in policies if issubclass(kinds[name], OraclePolicy)]) and "ar" not in policies:
         raise SpecPolicyError(f"eval.policies {oracles} need the target's greedy outputs, which `ar` decodes: keep "
                               f"eval.policies.ar")
-    if not policies and not (cfg.eval.hf_baselines and not sampled):
+    if not policies and not cfg.eval.hf_baselines:  # transformers' baselines sample as the engine would
         left_out = " once the greedy-only ones are left out" if sampled else ""
         raise SpecPolicyError(f"evaluate has nothing to decode: eval.policies is empty{left_out} and "
-                              f"{'hf_baselines are greedy only' if sampled else 'eval.hf_baselines=false'}; keep at "
-                              f"least one policy (e.g. eval.policies.ar)")
+                              f"eval.hf_baselines=false; keep at least one policy (e.g. eval.policies.ar)")
     return policies
 
 

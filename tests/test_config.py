@@ -182,7 +182,8 @@ def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it
 @pytest.mark.parametrize("keep, overrides, message", [
     (None, ["eval.policies.ar=null"], "eval.policies ['oracle'] need the target's greedy outputs, which `ar` decodes"),
     ((), ["eval.hf_baselines=false"], "nothing to decode: eval.policies is empty and eval.hf_baselines=false"),
-    (("oracle",), ["engine.temperature=0.8"], "nothing to decode: eval.policies is empty once the greedy-only ones"),
+    (("oracle",), ["engine.temperature=0.8", "eval.hf_baselines=false"],
+     "nothing to decode: eval.policies is empty once the greedy-only ones are left out and eval.hf_baselines=false"),
     (None, ["eval.policies.oracle._target_=specpolicy.policy.Nope"], "eval.policies.oracle: cannot import "
                                                                     "'specpolicy.policy.Nope' (Error loading"),
     (None, ["eval.policies.oracle._target_=pathlib.Path"], "eval.policies.oracle is not a depth policy"),
