@@ -55,9 +55,9 @@ def test_prompts_that_read_as_numbers_stay_text(tmp_path: Path) -> None:
     """pandas made a CSV column of `12` and `007` floats, and the error said the prompt column was missing; a JSON
     number is named as what it is."""
     path = tmp_path / "numbers.csv"
-    path.write_text("id,question\n1,12\n2,007\n")
+    path.write_text("id,question\n1,12\n2,007\n3,NA\n4,None\n")
     assert PromptSource(prompts_file=str(path), prompt_field="question").load() == [
-        [{"role": "user", "content": "12"}], [{"role": "user", "content": "007"}]]
+        [{"role": "user", "content": text}] for text in ("12", "007", "NA", "None")]
     path = tmp_path / "numbers.jsonl"
     path.write_text('{"prompt": 42}\n')
     with pytest.raises(SpecPolicyError, match=r"row 0 of .*; its 'prompt' is 42, not text; write prompts as strings$"):
@@ -85,8 +85,11 @@ def test_repeated_prompts_are_warned_about(tmp_path: Path, caplog: pytest.LogCap
     reply = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     path.write_text("".join(json.dumps(row) + "\n" for row in
                             ({"prompt": "Hi"}, {"prompt": "Bye"}, {"messages": reply}, {"prompt": "Bye"})))
-    assert len(PromptSource(prompts_file=str(path)).load()) == 4
-    assert f"2 of 4 prompts in {path} (split='test') repeat an earlier one; every copy is used" in caplog.text
+    for split in ("train", "validation", "test"):  # a file without splits serves each: one warning, no split named
+        assert len(PromptSource(prompts_file=str(path), split=split).load()) == 4
+    assert caplog.text.count(f"2 of 4 prompts in {path} repeat an earlier one; the copies are kept") == 1
+    PromptSource(split="all").load()
+    assert caplog.text.count("repeat an earlier one") == 1
 
 
 def test_chat_messages_and_template(tmp_path: Path) -> None:
@@ -179,6 +182,8 @@ def test_prompt_longer_than_context_is_refused() -> None:
                                               r"context of 64: prompts 0 \(119 tokens\), 2 \(109 tokens\), .*, 5 "
                                               r"\(\d+ tokens\), \.\.\., numbered from 0; shorten them"):
         encode_prompts(byte_tokenizer(), several, context_length=64, reserve=8)
+    with pytest.raises(SpecPolicyError, match=r"^5 of 6 prompts, .*, 5 \(\d+ tokens\), numbered from 0;"):
+        encode_prompts(byte_tokenizer(), several[:6], context_length=64, reserve=8)
     # from a notebook: strings, or a LoadedModel, ended in transformers' "Chat messages should be dicts ... 'h'"
     with pytest.raises(SpecPolicyError, match="prompt 0 is not a conversation: encode_prompts takes a list of them"):
         encode_prompts(byte_tokenizer(), ["hello"], context_length=64)

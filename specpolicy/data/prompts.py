@@ -76,8 +76,7 @@ class PromptSource:
         conversations = [_without_reply(c) for c in conversations]
         repeats = len(conversations) - len(set(map(_digest, conversations)))
         if repeats:  # a copy weighs a prompt twice in every mean, and trains on it twice
-            log.warning("%d of %d prompts in %s (split=%r) repeat an earlier one; every copy is used", repeats,
-                        len(conversations), self.name, self.split)
+            _warn_repeats(self.name, None if self.serves_every_split else self.split, repeats, len(conversations))
         return conversations
 
     def _conversation(self, row: dict[str, Any], index: int) -> Conversation:
@@ -144,9 +143,16 @@ def _warn_unread(name: str, splits: tuple[tuple[str, int], ...], rows: int) -> N
                 ", ".join(PIPELINE_SPLITS))
 
 
+@functools.cache  # once per file and split: a file without splits serves distil's three and evaluate's alike
+def _warn_repeats(name: str, split: str | None, repeats: int, prompts: int) -> None:
+    where = name if split is None else f"{name} (split={split!r})"
+    log.warning("%d of %d prompts in %s repeat an earlier one; the copies are kept", repeats, prompts, where)
+
+
 def _load_file(path: Path, prompt_field: str) -> datasets.Dataset:
-    """A prompts file's rows; a CSV's `prompt_field` column is read as text (pandas made a column of numbers,
-    `12` or `007`, floats, and the error then said the prompt was missing)."""
+    """A prompts file's rows; a CSV's `prompt_field` column is read as text as written (pandas made a column of
+    numbers, `12` or `007`, floats, and a prompt `NA` or `None` a missing value; the error then said the prompt was
+    missing)."""
     if path.is_dir():
         raise SpecPolicyError(f"prompts file {str(path)!r} is a folder; point data.prompts_file at a file in it")
     if not path.is_file():
@@ -164,7 +170,8 @@ def _load_file(path: Path, prompt_field: str) -> datasets.Dataset:
             raise SpecPolicyError(f"prompts file {str(path)!r} is empty; add one JSON object per line with a "
                                   f"'prompt' field")
     # a text file's byte-order mark stayed in its first prompt (the JSON and CSV readers drop it)
-    options = {"text": {"encoding": "utf-8-sig"}, "csv": {"converters": {prompt_field: str}}}.get(builder, {})
+    csv = {"converters": {prompt_field: str}, "keep_default_na": False}
+    options = {"text": {"encoding": "utf-8-sig"}, "csv": csv}.get(builder, {})
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
     except Exception as err:  # datasets wraps the parser's error: name the innermost one, which says where
