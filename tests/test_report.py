@@ -367,7 +367,8 @@ def test_load_aware_policies_are_compared_with_the_best_static_depth():
     rows[2]["flops"].update(rejected=0.0, padding=rows[0]["flops"]["padding"] / 4)
     wasted = rows[0]["flops"]["rejected"] + rows[0]["flops"]["padding"]
     line = report.best(rows, 1)
-    assert line.startswith("batch 1: learned (66.0 tok/s, 1.32x vs ar)")
+    assert line.startswith(f"batch 1: learned (66.0 tok/s, 1.32x vs ar, no interval: fewer than {MIN_UNITS} batches)")
+    assert report.best(rows[3:], 1) == "batch 1: ar (50.0 tok/s, 1.00x vs ar)"  # the reference needs none
     assert f"learned vs best static (static_k1): 1.10x tok/s, {rows[0]['flops']['padding'] / 4 / wasted:.2f}x" in line
     rows[0]["units"] = [[64, 64 / 60.0]] * MIN_UNITS  # with the units it was timed in, the comparison gets its
     rows[2]["units"] = [[64, 64 / 66.0]] * MIN_UNITS  # interval
@@ -402,7 +403,8 @@ def test_baselines_without_engine_keys(tmp_path):
     assert "| hf_assisted | 70.0 | 1.40x | – | – | – | – | – | – |" in md
     assert "| static_k2 | 75.0 | 1.50x | 1.41-1.62x |" in md and "95% interval: a paired bootstrap" in md
     bound = "oracle (upper bound on acceptance, not on speed) 1.82x"
-    assert f"- batch 4: confidence (231.9 tok/s, 1.29x vs ar); {bound}" in md  # not baselines
+    unsure = f"no interval: fewer than {MIN_UNITS} batches"
+    assert f"- batch 4: confidence (231.9 tok/s, 1.29x vs ar, {unsure}); {bound}" in md  # not baselines
     assert all((tmp_path / f"{name}.png").stat().st_size > 10_000 for name in PLOTS)
 
 

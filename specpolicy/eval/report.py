@@ -167,6 +167,8 @@ def best(runs: list[dict], batch_size: int) -> str:
     bounds = "".join(f"; {r['policy']} (upper bound on acceptance, not on speed) {speedup(r)}"
                      for r in rows if r.get("upper_bound"))
     sure = interval_text(top.get("speedup_interval"), ", {}")
+    if not sure and top.get("speedup") is not None and top["policy"] != "ar":  # "best" may then be the noise's pick
+        sure = f", no interval: fewer than {MIN_UNITS} batches"
     line = f"batch {batch_size}: {top['policy']} ({top['tokens_per_s']:.1f} tok/s, {speedup(top)} vs ar{sure}){bounds}"
     return line + against_best_static(rows)
 
