@@ -699,15 +699,15 @@ def test_the_profile_scores_what_each_model_scores_when_decoding(tiny_model, mon
 
 def test_goodput_from_python_reads_what_the_pipeline_writes(tmp_path: Path) -> None:
     """Its defaults differed from the sources' and conf/policy/'s: skinny_gemm=False looked for a profile the
-    profile stage does not write on a CPU in fp32, and optimism=1.0 probed as the policies did before 0.5 was
-    chosen. An estimator given as a path was accepted and failed at the first drafting step."""
+    profile stage does not write on a CPU in fp32, and optimism=1.0 probed as the policies did before 0.5 (now
+    0.25) was chosen. An estimator given as a path was accepted and failed at the first drafting step."""
     import specpolicy.policy
     from specpolicy.cost.profile import profile_file
 
     assert specpolicy.policy.GoodputPolicy is GoodputPolicy  # exported beside the others (lazily: an import cycle)
     synthetic.profile().save(profile_file(tmp_path, "cpu", "float32", skinny_gemm=True))  # as the stage names it
     policy = GoodputPolicy(str(tmp_path), device="cpu")
-    assert policy.optimism == 0.5 and policy.cost.profile.rows == synthetic.ROWS
+    assert policy.optimism == 0.25 and policy.cost.profile.rows == synthetic.ROWS
     for estimator in (str(tmp_path), HeadEstimator):
         with pytest.raises(SpecPolicyError, match="estimator must map features to acceptance probabilities"):
             GoodputPolicy(synthetic.profile(), estimator=estimator)

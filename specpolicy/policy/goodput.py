@@ -129,7 +129,7 @@ class GoodputPolicy(DepthPolicy):
     def __init__(self, profile: str | Path | LatencyProfile, k: int = 8,
                  estimator: DraftConfidence | HeadEstimator | None = None, device: str = "auto",
                  dtype: str = "float32", skinny_gemm: bool = True, prior: float | None = None, strength: float = 4.0,
-                 memory: float = 0.95, optimism: float = 0.5, wait_for_slowest: bool = True):
+                 memory: float = 0.95, optimism: float = 0.25, wait_for_slowest: bool = True):
         check_number("goodput/learned strength", strength, 0, low_open=True)
         check_number("goodput/learned memory", memory, 0, 1, low_open=True)
         check_number("goodput/learned optimism", optimism, 0)
