@@ -54,12 +54,11 @@ class PromptSource:
             check_count("data.limit (or null for every prompt)", self.limit)
 
     def load(self) -> list[Conversation]:
-        rows, splits = self._rows, self.splits
+        rows, splits, named = self._rows, self.splits, self._split_names
         if splits is not None and self.split != "all":
             if self.split not in splits:  # a typo (`tset`) read as an empty split
                 raise SpecPolicyError(f"data.split={self.split!r} is not a split of {self.name}; choose one of "
                                       f"{splits + ['all']}")
-            named = ["" if s in (None, "") else str(s) for s in rows["split"]]
             unread = [s for s in named if s not in (*PIPELINE_SPLITS, self.split)]
             if unread:  # `TEST`, `dev`, or no split at all: rows no stage reads unless data.split names them
                 _warn_unread(self.name, tuple(sorted(collections.Counter(unread).items())), len(rows))
@@ -100,9 +99,14 @@ class PromptSource:
     def splits(self) -> list[str] | None:
         """The splits named in a `split` column of a file or the embedded set; None without one (a hub dataset's
         splits are its own)."""
+        return None if self._split_names is None else sorted(set(self._split_names) - {""})  # "": a row without one
+
+    @functools.cached_property
+    def _split_names(self) -> list[str] | None:
+        """Each row's split as text ("" for none), read once for `splits` and `load`; None without a `split` column."""
         if self.hub_dataset and not self.prompts_file or "split" not in self._rows.column_names:
             return None
-        return sorted({str(s) for s in self._rows["split"] if s not in (None, "")})  # a row without one
+        return ["" if s in (None, "") else str(s) for s in self._rows["split"]]
 
     @property
     def serves_every_split(self) -> bool:
