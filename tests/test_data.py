@@ -66,16 +66,20 @@ def test_prompts_that_read_as_numbers_stay_text(tmp_path: Path) -> None:
 
 def test_chat_data_sets_decode_up_to_the_reply(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """ShareGPT's from/value turns read as role/content ones, and a reference reply at the end is dropped: with it,
-    the chat template opened a second assistant turn after it, and the model answered its own answer."""
+    the chat template opened a second assistant turn after it, and the model answered its own answer. Gemma-style
+    data names the assistant "model": its reply stayed in the prompt, under a role other templates do not know."""
     path = tmp_path / "chats.jsonl"
     sharegpt = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
                 {"from": "gpt", "value": "Hello"}]
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                 {"role": "user", "content": "Bye"}]
-    path.write_text(json.dumps({"conversations": sharegpt}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    gemma = [{"role": "user", "content": "Hi"}, {"role": "model", "content": "Hello"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in
+                            ({"conversations": sharegpt}, {"messages": messages}, {"messages": gemma})))
     assert PromptSource(prompts_file=str(path)).load() == [
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], messages]
-    assert "1 of 2 conversations in" in caplog.text and "trailing assistant turns are dropped" in caplog.text
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], messages,
+        [{"role": "user", "content": "Hi"}]]
+    assert "2 of 3 conversations in" in caplog.text and "trailing assistant turns are dropped" in caplog.text
     assert "repeat an earlier one" not in caplog.text
 
 

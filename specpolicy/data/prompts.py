@@ -27,7 +27,9 @@ log = logging.getLogger("specpolicy")
 
 EMBEDDED = Path(__file__).parent / "prompts" / "default.jsonl"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # other `from` values (system, user, ...) are roles already
+# ShareGPT's `from` names and Gemma-style data's "model" as the roles chat templates know; the rest (system, user, ...)
+# are those roles already
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
 Conversation = list[dict[str, str]]
 # beside a trained draft or depth head: digests of the prompts it was trained on (`digests_text`, `trained_on`)
 TRAINED_ON = "trained_on.json"
@@ -190,7 +192,8 @@ def _chat(turns: Any, where: str) -> Conversation:
     chat = []
     for turn in turns if isinstance(turns, list) else [None]:
         turn = turn if isinstance(turn, dict) else {}
-        role = turn.get("role", SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")))
+        role = turn.get("role", turn.get("from"))
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         content = turn.get("content", turn.get("value"))
         if not (isinstance(role, str) and isinstance(content, str)):
             raise SpecPolicyError(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}} objects "
