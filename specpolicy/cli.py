@@ -97,10 +97,12 @@ def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: A
     """`trainer.fit` / `.validate` / `.test` (`how`), whose Ctrl-C comes back as a KeyboardInterrupt: Lightning
     shuts down gracefully, then calls sys.exit(1), which would skip entry()'s line on what was kept and how to
     go on (and exit with 1, not 130). A first run has no last.ckpt to resume: Lightning's hint to set save_last
-    (set) would mislead."""
+    (set) would mislead. Lightning 2.6 asks torch >= 2.10 a deprecated question at every validation, which
+    printed a FutureWarning about its own internals after each progress bar."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*there is no last checkpoint available")
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             return getattr(trainer, how)(module, **kwargs)
     except SystemExit:
         if trainer.interrupted:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -416,6 +417,27 @@ def test_ctrl_c_inside_a_lightning_loop_comes_back_to_entry() -> None:
         finally:
             signal.signal(signal.SIGINT, handler)  # Lightning ignores SIGINT while it shuts down
         assert trainer.interrupted, how
+
+
+def test_a_lightning_loop_prints_no_warning_about_lightning_s_internals() -> None:
+    """Lightning 2.6 under torch 2.13 warned that its own pytree code is deprecated after every validation: three
+    lines of noise in each distil stage, none a user could act on."""
+    import lightning as L
+    import torch
+
+    class Logs(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val/x", self.w.sum() + batch.sum())
+
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_trainer(trainer, "validate", Logs(), dataloaders=[torch.zeros(1)], verbose=False)
+    assert not [str(w.message) for w in caught if "LeafSpec" in str(w.message)]
 
 
 def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:
