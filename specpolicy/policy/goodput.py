@@ -65,7 +65,7 @@ log = logging.getLogger("specpolicy")
 
 @functools.cache
 def expected_max_normal(n: int) -> float:
-    """E[max of n independent standard normals]: 0 for one, 1/sqrt(pi) for two, ~2.04 for 32."""
+    """E[max of n independent standard normals]: 0 for one, 1/sqrt(pi) for two, ~2.07 for 32."""
     if n <= 1:
         return 0.0
     x = torch.linspace(-12.0, 12.0, 24001, dtype=torch.float64)
