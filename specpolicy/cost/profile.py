@@ -167,7 +167,7 @@ def measure(target: PreTrainedModel, draft: PreTrainedModel, rows: list[int], to
 
 @torch.inference_mode()
 def time_grid(models: dict[str, PreTrainedModel], rows: list[int], tokens: list[int], context: int,
-              repeats: int) -> dict[str, list[list[float]]]:
+              repeats: int, progress: str | None = "profile (rounds over the grid)") -> dict[str, list[list[float]]]:
     """Milliseconds per forward of each model on the (rows x tokens) grid: the fastest of `repeats` rounds,
     each round one pass over every model and the whole grid, so a slow spell of a shared machine spreads
     over many cells instead of spoiling one (interference only ever adds time). One round more than
@@ -177,11 +177,11 @@ def time_grid(models: dict[str, PreTrainedModel], rows: list[int], tokens: list[
     the other model's widest cell, the first forward ran slower in every round (fp32 CPU: the draft's 1 x 1
     cell 6.1 ms against 3.5 ms for 1 x 2; once after a distillation in the same process, the target's 36.4
     against 24.3 ms). Decoding repeats similar shapes, and a 1 x 1 cell is what plain decoding at batch 1
-    is priced at, so an inflated one made drafting look cheap there."""
+    is priced at, so an inflated one made drafting look cheap there. `progress` labels the rounds' bar (None: none)."""
     timers = {(name, r): ForwardTimer(model, r, context, max(tokens), score_all=name != "draft")
               for name, model in models.items() for r in rows}
     best = {key: [float("inf")] * len(tokens) for key in timers}
-    for _ in tqdm(range(repeats + 1), desc="profile (rounds over the grid)"):
+    for _ in tqdm(range(repeats + 1), desc=progress, disable=progress is None):
         for key, timer in timers.items():
             timer(tokens[0])
             best[key] = [min(b, timer(t)) for b, t in zip(best[key], tokens)]

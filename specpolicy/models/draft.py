@@ -274,31 +274,19 @@ def _top_directions(weight: torch.Tensor, k: int) -> torch.Tensor:
 
 def describe_cost(target: LoadedModel, draft: LoadedModel, context: int = 256, repeats: int = 10) -> dict[str, float]:
     """Per-token cost of the draft relative to the target: analytic FLOPs (`FlopModel`) and the measured
-    latency of one decode forward (one new token over a `context`-token cache, batch 1, median of
-    `repeats` after a warm-up, target and draft interleaved). Logged and returned."""
+    latency of one decode forward (one new token over a `context`-token cache, batch 1, timed as the profile
+    stage times its grid: the fastest of `repeats` interleaved rounds; a draft with a vocabulary subset scores
+    only the subset, as it does when drafting). Logged and returned."""
+    from specpolicy.cost.profile import time_grid  # cost.profile imports the engine's modules
+
     context = min(context, target.context_length - 1, draft.context_length - 1)
     t_flops = FlopModel.from_model(target.model).per_token(context)
     d_flops = FlopModel.from_model(draft.model).per_token(context)
-    t_ms, d_ms = _decode_latency_ms([target.model, draft.model], context, repeats)
+    ms = time_grid({"target": target.model, "draft": draft.model}, [1], [1], context, repeats, progress=None)
+    t_ms, d_ms = ms["target"][0][0], ms["draft"][0][0]
     cost = {"flops_ratio": d_flops / t_flops, "latency_ratio": d_ms / t_ms, "target_ms": t_ms, "draft_ms": d_ms,
             "target_gflops_per_token": t_flops / 1e9, "draft_gflops_per_token": d_flops / 1e9}
     log.info("draft %s per token vs target %s: %.3f x FLOPs (%.3f vs %.3f GFLOP), %.3f x latency (%.2f vs %.2f ms, "
              "decode at context %d)", draft.name, target.name, cost["flops_ratio"], d_flops / 1e9, t_flops / 1e9,
              cost["latency_ratio"], d_ms, t_ms, context)
     return cost
-
-
-@torch.inference_mode()
-def _decode_latency_ms(models: list[torch.nn.Module], context: int, repeats: int) -> list[float]:
-    """Median time of one token read over `context` cached ones, through the engine's own forward (a draft
-    with a vocabulary subset scores only the subset, as it does when drafting)."""
-    from specpolicy.cost.profile import ForwardTimer  # cost.profile imports the engine's modules
-
-    timers = [ForwardTimer(model, 1, context, 1) for model in models]
-    times = [[] for _ in models]
-    for r in range(repeats + 2):  # two warm-up rounds, then interleaved timed rounds
-        for timer, out in zip(timers, times):
-            ms = timer(1)  # each round overwrites the same cache slot
-            if r >= 2:
-                out.append(ms)
-    return [sorted(t)[len(t) // 2] for t in times]
