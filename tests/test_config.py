@@ -164,10 +164,17 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path, c
                                       "distill.data.top_k=64, or distill.target_probs=online"),  # was after loading
     ("train", "runtime.dtype=bf16x", "unknown dtype 'bf16x'"),  # stopped the profile stage, after distillation
     ("train", "data.split=tset", "data.split='tset' is not a split of"),  # stopped collect, after distillation
+    # a range() ValueError inside sampling, after the target loaded; a bad top_p was named as engine.top_p
+    ("train", ("distill/synthetic=magpie", "distill.synthetic.magpie.batch_size=0"),
+     "distill.synthetic.magpie: batch_size must be an integer >= 1, got 0"),
+    ("train", ("distill/synthetic=openings", "distill.synthetic.openings.top_p=0"),
+     "distill.synthetic.openings: top_p must be a number in (0, 1], got 0"),
 ])
-def test_a_bad_count_is_named_before_any_work(task: str, override: str, message: str, tmp_path: Path) -> None:
+def test_a_bad_count_is_named_before_any_work(task: str, override: str | tuple[str, ...], message: str,
+                                              tmp_path: Path) -> None:
     """evaluate before any model loads; train before the distil stage, for every selected stage's settings."""
-    cfg = compose_config(task, ["experiment=tiny", "debug=fast", override], tmp_path)
+    overrides = [override] if isinstance(override, str) else list(override)
+    cfg = compose_config(task, ["experiment=tiny", "debug=fast", *overrides], tmp_path)
     with pytest.raises((SpecPolicyError, InstantiationException)) as err:  # Hydra wraps what objects refuse
         {"evaluate": evaluate, "train": train}[task](cfg)
     assert message in bad_input(err.value)  # the line the entry points print

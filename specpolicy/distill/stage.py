@@ -108,6 +108,8 @@ def check_distil(cfg: DictConfig) -> None:
             raise SpecPolicyError(f"distill.scheduler: {err}; fix its settings (e.g. "
                                   f"distill.scheduler.num_warmup_steps=20)") from err
     instantiate(d.data)
+    for synthesis in (d.get("synthetic") or {}).values():  # refuses its settings when built, before the target loads
+        instantiate(synthesis)
     instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
     check_ckpt_path("distill.ckpt_path", d.ckpt_path, checkpoints_of(cfg.get("callbacks")))
 

@@ -30,7 +30,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.data import PromptSource
 from specpolicy.data.prompts import Conversation
 from specpolicy.distill.data import cache_key, fingerprint, generate_responses
-from specpolicy.errors import SpecPolicyError
+from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.loading import eos_ids
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,12 @@ class PromptSynthesis:
     opening_words: int = 0  # N > 0: each message starts with the first N words of a random training prompt
 
     def __post_init__(self) -> None:
-        if self.num_prompts < 1 or self.max_tokens < 1 or self.temperature <= 0 or self.opening_words < 0:
-            raise SpecPolicyError(f"distill.synthetic needs num_prompts >= 1, max_tokens >= 1, temperature > 0 "
-                                  f"(greedy sampling writes one prompt) and opening_words >= 0; "
-                                  f"got {self.num_prompts}, {self.max_tokens}, {self.temperature}, "
-                                  f"{self.opening_words}")
+        for name in ("num_prompts", "max_tokens", "batch_size"):  # batch_size=0 was a range() ValueError
+            check_count(name, getattr(self, name))
+        check_number("temperature", self.temperature, 0, low_open=True, why="greedy sampling writes one prompt")
+        check_number("top_p", self.top_p, 0, 1, low_open=True)  # was refused by the engine, as engine.top_p
+        check_int("seed", self.seed)
+        check_int("opening_words", self.opening_words, 0)
 
     def conversations(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cache_dir: str | Path,
                       train: list[Conversation] = ()) -> list[Conversation]:
