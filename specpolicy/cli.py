@@ -54,8 +54,8 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
         if problem is None:
             raise
         print(f"error: {problem}", file=sys.stderr)
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            FAILED_JOBS.append(f"job {HydraConfig.get().job.num}: {problem}")
+        if (job := _job_number()) is not None:
+            FAILED_JOBS.append(f"job {job}: {problem}")
             return None
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C is a user's choice, not a failure to show a traceback for
