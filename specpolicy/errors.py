@@ -2,7 +2,7 @@
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 log = logging.getLogger("specpolicy")
 
@@ -11,28 +11,28 @@ class SpecPolicyError(Exception):
     """A problem with the user's input or configuration; the message names the problem and the fix."""
 
 
-def _is_int(value, low: int | None = None) -> bool:
+def _is_int(value: object, low: int | None = None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
 
 
-def check_int(setting: str, value, low: int | None = None) -> int:
+def check_int(setting: str, value: object, low: int | None = None) -> int:
     """`value` as an integer (>= `low` when given), or a SpecPolicyError naming `setting`."""
     if not _is_int(value, low):
         raise SpecPolicyError(f"{setting} must be an integer{'' if low is None else f' >= {low}'}, got {value!r}")
     return value
 
 
-def check_count(setting: str, value) -> int:
+def check_count(setting: str, value: object) -> int:
     """`value` (a number of prompts, steps or rounds) as an integer >= 1, or a SpecPolicyError naming `setting`."""
     return check_int(setting, value, 1)
 
 
-def check_depth(policy: str, k) -> int:
+def check_depth(policy: str, k: object) -> int:
     """A policy's maximum draft depth `k` as an integer >= 0 (0: no speculation), or a SpecPolicyError."""
     return check_int(f"{policy} depth", k, 0)
 
 
-def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
+def check_counts(setting: str, values: object, increasing: bool = False) -> list[int]:
     """`values` (batch sizes, grid points) as a list of distinct integers >= 1, increasing if `increasing` (a
     grid the cost model interpolates on); otherwise a SpecPolicyError that names `setting`. A repeated batch size
     decoded twice and reported in two rows under one name."""
@@ -48,7 +48,7 @@ def check_counts(setting: str, values, increasing: bool = False) -> list[int]:
     return values
 
 
-def fitting_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> list[int]:
+def fitting_batch_sizes(setting: str, sizes: Sequence[int], prompts: int, fix: str) -> list[int]:
     """The batch sizes that `prompts` prompts can fill, with a warning naming those left out: a batch of 8 over 4
     prompts runs 4 rows, and its numbers would be reported as batch 8's. None left is an error."""
     fitting = [size for size in sizes if size <= prompts]
@@ -61,12 +61,12 @@ def fitting_batch_sizes(setting: str, sizes, prompts: int, fix: str) -> list[int
     return fitting
 
 
-def is_number(value) -> bool:
+def is_number(value: object) -> bool:
     """A finite real number (not a bool, which Python counts as an int)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_number(setting: str, value, low: float | None = None, high: float | None = None,
+def check_number(setting: str, value: object, low: float | None = None, high: float | None = None,
                  low_open: bool = False, high_open: bool = False, why: str = "") -> float:
     """`value` as a finite real number in [low, high] (a bound excluded when `low_open`/`high_open`, none when
     None), or a SpecPolicyError naming `setting` and `why` the bound holds (`engine.temperature=abc` used to end
@@ -93,7 +93,7 @@ TRAINER_INTS = {"max_epochs": -1, "max_steps": -1, "min_epochs": 0, "min_steps":
                 "check_val_every_n_epoch": 1, "num_sanity_val_steps": -1, "accumulate_grad_batches": 1}
 
 
-def check_trainer(setting: str, trainer) -> None:
+def check_trainer(setting: str, trainer: Mapping[str, object]) -> None:
     """The integer knobs of a Trainer config (`setting`: where it lives, e.g. `head.trainer`) that are set. A limit
     of 0 epochs or steps trains nothing: `head.trainer.max_epochs=0` saved a random head as if trained."""
     for key, low in TRAINER_INTS.items():
@@ -104,7 +104,7 @@ def check_trainer(setting: str, trainer) -> None:
             raise SpecPolicyError(f"{setting}.{key}=0 trains nothing; set it to 1 or more (-1: no limit)")
 
 
-def check_bool(setting: str, value) -> bool:
+def check_bool(setting: str, value: object) -> bool:
     """`value` as a bool: Hydra passes `no`, `off` or a typo through as a string, which Python reads as true."""
     if not isinstance(value, bool):
         raise SpecPolicyError(f"{setting} must be true or false, got {value!r}")

@@ -104,7 +104,7 @@ class LatencyProfile:
         return found
 
 
-def check_grid(rows, tokens, prefix: str = "profile.") -> tuple[list[int], list[int]]:
+def check_grid(rows: object, tokens: object, prefix: str = "profile.") -> tuple[list[int], list[int]]:
     """A profile's grid (the profile settings, or a saved profile's fields: `prefix`), which must rise because the
     cost model interpolates on it, and must time plain decoding's 1-token pass, where the model clamps."""
     rows = check_counts(f"{prefix}rows", rows, increasing=True)

@@ -12,6 +12,8 @@ every key too; their mask shows each query only its last `sliding_window` keys.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import Cache, PreTrainedModel
 
@@ -45,7 +47,8 @@ class RaggedCache(Cache):
         self._kv_len = min(kv_len, self.capacity)
         self._width = width
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx not in self.keys:
             H = key_states.shape[1]
             shape = lambda t: (self.batch, H, self.capacity, t.shape[-1])  # noqa: E731

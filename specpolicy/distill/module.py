@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import datasets
 import torch
@@ -135,7 +135,7 @@ class DistillModule(LightningModule):
             metric.update(value, n)
             self.log(f"{stage}/{name}", metric, prog_bar=name == "agreement")
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
         optimizer = self.make_optimizer([p for p in self.draft.parameters() if p.requires_grad])
         if self.make_scheduler is None:
             return optimizer
@@ -162,7 +162,7 @@ class StepBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.steps
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start, self.steps):
             epoch, i = divmod(step, self.per_epoch)
             perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))

@@ -20,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
+from transformers import PreTrainedModel
 
 from specpolicy.atomic import model_identity, record, settings, written
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
@@ -244,7 +245,8 @@ def check_fits(d: DictConfig, target: LoadedModel) -> None:
                               f"the target's context of {target.context_length}; lower it")
 
 
-def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule):
+def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule
+                 ) -> tuple[torch.Tensor | None, torch.nn.Module | None]:
     """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones the target writes most
     often on the training rows (FR-Spec; `train_responses`); returns (their ids, the full head to restore), else
     Nones."""
@@ -265,7 +267,7 @@ def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamod
     return vocab, full_head
 
 
-def _trainable(model, d: DictConfig):
+def _trainable(model: PreTrainedModel, d: DictConfig) -> torch.nn.Module:
     """The draft with what trains switched on: everything, everything but the embedding/head, or LoRA adapters."""
     model = model.train().requires_grad_(True)
     if d.freeze_embeddings:

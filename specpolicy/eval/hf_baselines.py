@@ -5,7 +5,7 @@ transformers' assisted generation (`hf_assisted`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -33,7 +33,7 @@ def _neutral(*models: PreTrainedModel) -> Iterator[None]:
             model.generation_config = config
 
 
-def _timed(fn, device: torch.device) -> tuple[list[list[int]], float]:
+def _timed(fn: Callable[[], list[list[int]]], device: torch.device) -> tuple[list[list[int]], float]:
     synchronize(device)
     t0 = time.perf_counter()
     out = fn()

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from specpolicy.cost.flops import FlopModel
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int
@@ -102,7 +102,7 @@ class LayerSubsetDraft:
         return built
 
 
-def _pick_layers(config, layers: Sequence[int]):
+def _pick_layers(config: PretrainedConfig, layers: Sequence[int]) -> PretrainedConfig:
     """A copy of `config` for a model of the target's `layers`: every list with one entry per target layer
     (`layer_types`, SmolLM3's `no_rope_layers`, ...: those as long as the layer stack, token ids aside) keeps
     the entries of those layers, and lists of layer indices (`LAYER_INDEX_LISTS`) are renumbered, so each layer
@@ -133,7 +133,7 @@ def _check_kinds(picked: Sequence[torch.nn.Module], slots: Sequence[torch.nn.Mod
                 "layers whose kinds keep their places, or build a fresh draft (draft=fresh)")
 
 
-def _empty_like(target: torch.nn.Module, config) -> torch.nn.Module:
+def _empty_like(target: torch.nn.Module, config: PretrainedConfig) -> torch.nn.Module:
     """A randomly initialised model of `config` on the target's device and dtype, with its kind of linear layers,
     that stops where the target stops: `from_config` takes its EOS from `config.json`, which may lack the ids the
     target's generation config adds (a chat template's end of turn), and the draft writes on-policy data."""
@@ -215,7 +215,7 @@ class FreshDraft:
         built.cost = describe_cost(target, built)
         return built
 
-    def _config(self, target_config):
+    def _config(self, target_config: PretrainedConfig) -> PretrainedConfig:
         if self.num_hidden_layers > target_config.num_hidden_layers:
             raise SpecPolicyError(f"draft.num_hidden_layers={self.num_hidden_layers} is deeper than the target's "
                                   f"{target_config.num_hidden_layers}")

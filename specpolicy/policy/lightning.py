@@ -28,13 +28,13 @@ class HeadModule(L.LightningModule):
         self.log(f"{stage}/accuracy", ((p > 0.5).float() == label).float().mean())
         return loss
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._step(batch, "val")
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)  # a few hundred weights: no decay
 
 

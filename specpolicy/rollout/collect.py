@@ -37,7 +37,8 @@ class RecordingPolicy(DepthPolicy):
         self._features = []
         return self.inner.budget(state)
 
-    def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int):
+    def keep(self, features: torch.Tensor, tokens: torch.Tensor, state: StepState, position: int
+             ) -> torch.Tensor | None:
         self._features.append(features)
         return self.inner.keep(features, tokens, state, position)
 
