@@ -3,12 +3,26 @@ and the goodput (tokens kept per second) a depth is expected to give."""
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any, Callable
 
 import numpy as np
 
 from specpolicy.cost.profile import LatencyProfile
 from specpolicy.errors import SpecPolicyError
+
+
+def remembered(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A CostModel method answered once per arguments: policies ask the same few questions every decode step,
+    and the answers must cost nothing on the clock they price."""
+    @functools.wraps(method)
+    def answer(self: CostModel, *args: Any) -> Any:
+        key = (method.__name__, *args)
+        if key not in self._known:
+            self._known[key] = method(self, *args)
+        return self._known[key]
+    return answer
 
 
 class CostModel:
@@ -34,23 +48,19 @@ class CostModel:
         self._tokens = np.asarray(profile.tokens, dtype=float)
         self._grids = {"target": np.asarray(profile.target_ms), "draft": np.asarray(profile.draft_ms)}
         self._overhead = np.asarray(profile.draft_step_overhead_ms or np.zeros(len(profile.rows)), dtype=float)
-        self._known: dict[tuple, float | int | np.ndarray] = {}  # policies ask every decode step: keep it off the clock
+        self._known: dict[tuple, float | int | np.ndarray] = {}  # `remembered` answers
 
+    @remembered
     def forward_ms(self, model: str, rows: float, tokens: float) -> float:
-        key = (model, rows, tokens)
-        if key not in self._known:
-            grid = self._grids[model]
-            per_rows = [np.interp(tokens, self._tokens, grid[i]) for i in range(len(self._log_rows))]
-            self._known[key] = float(np.interp(math.log2(max(rows, 1)), self._log_rows, per_rows))
-        return self._known[key]
+        grid = self._grids[model]
+        per_rows = [np.interp(tokens, self._tokens, grid[i]) for i in range(len(self._log_rows))]
+        return float(np.interp(math.log2(max(rows, 1)), self._log_rows, per_rows))
 
+    @remembered
     def draft_ms(self, rows: float) -> float:
         """One draft position: a 1-token draft forward and its share of the drafting overhead."""
-        key = ("draft_ms", rows)
-        if key not in self._known:
-            overhead = float(np.interp(math.log2(max(rows, 1)), self._log_rows, self._overhead))
-            self._known[key] = self.forward_ms("draft", rows, 1) + overhead
-        return self._known[key]
+        overhead = float(np.interp(math.log2(max(rows, 1)), self._log_rows, self._overhead))
+        return self.forward_ms("draft", rows, 1) + overhead
 
     def catch_up_ms(self, rows: float, tokens: int) -> float:
         """What a draft forward that must first read `tokens` committed tokens per row (a prompt, or what was
@@ -69,24 +79,20 @@ class CostModel:
     def step_ms(self, rows: float, depth: int) -> float:
         return depth * self.draft_ms(rows) + self.forward_ms("target", rows, depth + 1)
 
+    @remembered
     def step_times(self, rows: float, depth: int) -> np.ndarray:
         """step_ms for depths 0..depth, as one array."""
-        key = ("steps", rows, depth)
-        if key not in self._known:
-            self._known[key] = np.array([self.step_ms(rows, d) for d in range(depth + 1)])
-        return self._known[key]
+        return np.array([self.step_ms(rows, d) for d in range(depth + 1)])
 
     def goodput(self, rows: float, depth: int, expected_tokens: float) -> float:
         """Tokens per second for `rows` rows keeping `expected_tokens` each per step (bonus included)."""
         return rows * expected_tokens / self.step_ms(rows, depth) * 1e3
 
+    @remembered
     def max_useful_depth(self, rows: float, limit: int) -> int:
         """The deepest depth <= limit that could beat not drafting, were every draft accepted: no acceptance
         makes a deeper one pay, so drafting that deep (or at all, if 0) is waste at this load. Every depth is
         tried, not only up to the first that pays less than the one before: the curve's steps can make 4
         tokens cheaper than 3, and then depth 3 pays where depth 2 does not."""
-        key = ("cap", rows, limit)
-        if key not in self._known:
-            plain = self.goodput(rows, 0, 1)
-            self._known[key] = max((d for d in range(1, limit + 1) if self.goodput(rows, d, d + 1) > plain), default=0)
-        return self._known[key]
+        plain = self.goodput(rows, 0, 1)
+        return max((d for d in range(1, limit + 1) if self.goodput(rows, d, d + 1) > plain), default=0)
