@@ -26,10 +26,11 @@ from specpolicy.cli import entry, per_job
 from specpolicy.data import encode_prompts
 from specpolicy.decode.engine import check_settings
 from specpolicy.decode.stats import DecodeStats
-from specpolicy.distill.stage import held_out_metrics, saved_pair
+from specpolicy.distill.stage import held_out_metrics
 from specpolicy.errors import check_count
 from specpolicy.models import LoadedModel
 from specpolicy.policy import StaticPolicy
+from specpolicy.stages import load_pair
 
 os.environ.setdefault("PROJECT_ROOT", str(Path(__file__).resolve().parents[1]))
 
@@ -41,7 +42,7 @@ def decoded(cfg: DictConfig, target: LoadedModel, draft: LoadedModel, depth: int
     prompts = encode_prompts(target.tokenizer, conversations, target.context_length, reserve=engine.max_new_tokens)
     total = DecodeStats.total([engine.generate(prompts[i : i + batch_size], StaticPolicy(k=depth)).stats
                                for i in range(0, len(prompts), batch_size)])
-    return {"depth": depth, "dtype": str(target.model.dtype).removeprefix("torch."),  # saved_pair: float32
+    return {"depth": depth, "dtype": str(target.model.dtype).removeprefix("torch."),  # float32, as distil measures
             "prompts": len(prompts), "max_new_tokens": engine.max_new_tokens,
             "mean_accepted": total.mean_accepted,  # tau: per row and verify step
             **{name: getattr(total, name).tolist() for name in ("drafted_at", "reached_at", "accepted_at")},
@@ -54,7 +55,7 @@ def report(cfg: DictConfig) -> None:
     check_settings(cfg.engine)
     depth = check_count("decode_depth", cfg.decode_depth)  # before the held-out metrics; 0 decodes no drafts
     batch_size = check_count("decode_batch_size", cfg.decode_batch_size)
-    target, draft = saved_pair(cfg)
+    target, draft = load_pair(cfg, cfg.trained_draft, "float32")  # as distil measures its drafts
     metrics = {**held_out_metrics(cfg, target, draft), "decoded": decoded(cfg, target, draft, depth, batch_size)}
     text = json.dumps(metrics, indent=2)
     print(text)

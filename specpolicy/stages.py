@@ -44,20 +44,29 @@ from specpolicy.rollout.features import FEATURE_NAMES
 log = logging.getLogger("specpolicy")
 
 
-def load_target(cfg: DictConfig) -> LoadedModel:
-    target = instantiate(cfg.target).load()
+def load_target(cfg: DictConfig, dtype: str | None = None) -> LoadedModel:
+    """The target, in `dtype` when given, else in runtime.dtype."""
+    target = instantiate(cfg.target, **({"dtype": dtype} if dtype else {})).load()
     log.info("target %s: %.1fM parameters, context %d", target.name, target.model.num_parameters() / 1e6,
              target.context_length)
     return target
 
 
-def load_pair(cfg: DictConfig, draft_cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
+def load_pair(cfg: DictConfig, draft_cfg: DictConfig, dtype: str | None = None) -> tuple[LoadedModel, LoadedModel]:
     """The target and a draft built from `draft_cfg` (`cfg.trained_draft` after distil, `cfg.draft` to evaluate),
-    checked against each other."""
-    target = load_target(cfg)
-    draft = instantiate(draft_cfg).build(target)
+    checked against each other, both in `dtype` when given (distillation's float32), else in runtime.dtype."""
+    target = load_target(cfg, dtype)
+    draft = build_draft(draft_cfg, target, dtype)
     check_compatible(target, draft)
     return target, draft
+
+
+def build_draft(draft_cfg: DictConfig, target: LoadedModel, dtype: str | None = None) -> LoadedModel:
+    """The draft `draft_cfg` describes, for `target`; a saved one loads in `dtype` when given: distillation measures
+    and trains in float32, and a pretrained draft loaded in runtime.dtype (bf16 in smollm2_135m_long) was refused
+    beside the float32 target as another dtype."""
+    source = {"source": {"dtype": dtype}} if dtype and draft_cfg.get("source") else {}
+    return instantiate(draft_cfg, **source).build(target)
 
 
 def warn_foreign_draft(cfg: DictConfig, draft_cfg: DictConfig, stage: str) -> None:

@@ -96,12 +96,13 @@ def test_fresh_draft_lora_online_targets_on_draft_data(shared):
 def test_lora_with_a_draft_vocabulary_saves_the_draft_it_measured(shared):
     """peft's all-linear spares the LM head but would adapt the Linear inside a subset head; the saved folder
     keeps the full head, so that adapter's training would be lost between metrics.json and the folder."""
-    from specpolicy.distill.stage import held_out_metrics, saved_pair
+    from specpolicy.distill.stage import held_out_metrics
+    from specpolicy.stages import load_pair
 
     cfg = _cfg(shared, "lora_vocab", "draft.layers=[0,-1]", "distill=lora", "distill.draft_vocab=64")
     distil(cfg)
     m = _metrics(shared, "lora_vocab")
-    target, draft = saved_pair(cfg)
+    target, draft = load_pair(cfg, cfg.trained_draft, "float32")  # as scripts/draft_metrics.py measures it
     again = held_out_metrics(cfg, target, draft)
     for key in ("loss", "agreement", "expected_acceptance"):
         assert again[key] == pytest.approx(m["after"][key], abs=1e-5), key

@@ -40,6 +40,7 @@ from specpolicy.models.vocab import (
     use_subset_head,
     vocab_file_text,
 )
+from specpolicy.stages import build_draft, load_target
 
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
@@ -142,9 +143,9 @@ def distil(cfg: DictConfig) -> None:
     check_distil(cfg)  # the pipeline checked already; scripts/bench_distill.py calls this stage directly
     d = cfg.distill
     L.seed_everything(cfg.seed, workers=True)
-    target = instantiate(cfg.target, dtype="float32").load()  # fp32 master weights; trainer.precision sets compute
+    target = load_target(cfg, "float32")  # fp32 master weights; trainer.precision sets compute
     check_fits(d, target)
-    draft = fp32_draft(cfg.draft, target)
+    draft = build_draft(cfg.draft, target, "float32")
     subset = subset_of(draft.model)
     if subset is not None:  # a saved draft with its draft_vocab.json: the full head it would need is not loaded
         raise SpecPolicyError(f"the draft at {cfg.draft.source.path} scores {len(subset)} tokens ({VOCAB_FILE}); to "
@@ -196,19 +197,6 @@ def distil(cfg: DictConfig) -> None:
         log.info("distil: test agreement %.3f, expected acceptance %.3f (prompts nothing was tuned on)",
                  after["test"]["agreement"], after["test"]["expected_acceptance"])
     finish_run()
-
-
-def saved_pair(cfg: DictConfig) -> tuple[LoadedModel, LoadedModel]:
-    """The target and a saved draft (`trained_draft`: the experiment's distilled draft, or
-    `draft@trained_draft=pretrained trained_draft.source.path=...`) in fp32, as distillation measures them."""
-    target = instantiate(cfg.target, dtype="float32").load()
-    return target, fp32_draft(cfg.trained_draft, target)
-
-
-def fp32_draft(draft_cfg: DictConfig, target: LoadedModel) -> LoadedModel:
-    """The draft as distillation measures and trains it, in fp32 beside the fp32 target: a pretrained one loaded in
-    runtime.dtype (bf16 in smollm2_135m_long) was refused as another dtype than the target's."""
-    return instantiate(draft_cfg, **({"source": {"dtype": "float32"}} if draft_cfg.get("source") else {})).build(target)
 
 
 def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -> dict:
