@@ -31,6 +31,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
@@ -236,27 +237,21 @@ def collate_rows(rows: list[dict], pad_id: int, max_length: int | None) -> dict[
     `input_ids[loss_mask]`, truncated with the sequence at `max_length`. Rows with cached target
     `features` (`featurize`) give `features` [B, L, d], the target's final hidden state at each position.
     """
-    seqs = [r["input_ids"][:max_length] for r in rows]
-    B, L = len(seqs), max(map(len, seqs))
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, L, dtype=torch.long)
-    loss_mask = torch.zeros(B, L, dtype=torch.bool)
-    n_pos = []
-    for b, (seq, row) in enumerate(zip(seqs, rows)):
-        input_ids[b, : len(seq)] = torch.tensor(seq)
-        attention_mask[b, : len(seq)] = 1
-        first = row.get("loss_from", row["prompt_len"])
-        loss_mask[b, first - 1: len(seq) - 1] = True
-        n_pos.append(max(len(seq) - first, 0))
+    seqs = [torch.tensor(r["input_ids"][:max_length], dtype=torch.long) for r in rows]
+    input_ids = pad_sequence(seqs, batch_first=True, padding_value=pad_id)
+    lengths = torch.tensor([len(seq) for seq in seqs])
+    firsts = torch.tensor([row.get("loss_from", row["prompt_len"]) for row in rows])
+    at = torch.arange(input_ids.shape[1])
+    attention_mask = (at < lengths[:, None]).long()
+    loss_mask = (at >= firsts[:, None] - 1) & (at < lengths[:, None] - 1)
+    n_pos = (lengths - firsts).clamp(min=0).tolist()
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
     if "topk_ids" in rows[0]:
         k = len(rows[0]["topk_ids"][0])
         batch["topk_ids"] = torch.cat([torch.tensor(r["topk_ids"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
         batch["topk_logp"] = torch.cat([torch.tensor(r["topk_logp"][:n]).reshape(n, k) for r, n in zip(rows, n_pos)])
     if "features" in rows[0]:
-        hidden = [np.frombuffer(r["features"], np.float16).reshape(len(r["input_ids"]), -1) for r in rows]
-        padded = torch.zeros(B, L, hidden[0].shape[1])
-        for b, (h, seq) in enumerate(zip(hidden, seqs)):
-            padded[b, : len(seq)] = torch.from_numpy(h[: len(seq)].astype(np.float32))
-        batch["features"] = padded
+        hidden = [np.frombuffer(r["features"], np.float16).reshape(len(r["input_ids"]), -1)[: len(seq)]
+                  for r, seq in zip(rows, seqs)]
+        batch["features"] = pad_sequence([torch.from_numpy(h.astype(np.float32)) for h in hidden], batch_first=True)
     return batch
