@@ -1,27 +1,27 @@
 """Benchmark the distil stage on the embedded pair: divergences x draft shapes, same data, one process.
 
-    python scripts/bench_distill.py [override ...] [--steps 60] [--shapes ...] [--losses ...] [--out DIR]
+    python scripts/bench_distill.py [bench.steps=60] ['bench.shapes=[layers,fresh]'] ['bench.losses=[forward_kl,tvd]']
+                                    [any of train.py's overrides, for every variant]
 
-Each variant is the real `distil` stage on `experiment=smollm2_135m` plus a few Hydra overrides; all
-share one cached dataset (the target's responses to the train prompts, generated once). Validation
-prompts are held out. Prints a markdown table and writes checkpoints/bench/distill.{json,md}, keeping the rows
-of earlier runs (a variant trained again replaces its own row); with overrides, each run's folder name carries
-a hash of them, and its row lists them.
+Each variant is the real `distil` stage on `conf/bench_distill.yaml` (train.py's config with short-run settings)
+plus its shape's overrides (`bench.drafts`) and its divergence (`distill/loss`); all share one cached dataset (the
+target's responses to the train prompts, generated once). Validation prompts are held out. Prints a markdown
+table and writes `bench.out`/distill.{json,md}, keeping the rows of earlier runs (a variant trained again replaces
+its own row); with overrides, each run's folder name carries a hash of them, and its row lists them.
 Not a test: it takes tens of minutes on a 2-core CPU.
 """
 
-from __future__ import annotations
-
-import argparse
 import json
-import logging
+import os
 import shutil
 from datetime import datetime
 from pathlib import Path
 
+import hydra
 import torch
-from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
+from omegaconf import DictConfig
 
 from specpolicy.atomic import atomic_path
 from specpolicy.cli import check_out_dir, entry
@@ -30,67 +30,41 @@ from specpolicy.distill.stage import distil
 from specpolicy.errors import SpecPolicyError, check_count
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "layers[0,1,2,-1]": ["draft=layers", "draft.layers=[0,1,2,-1]"],
-    "fresh 4x256": ["draft=fresh", "draft.num_hidden_layers=4", "draft.hidden_size=256",
-                    "draft.num_attention_heads=4", "draft.num_key_value_heads=2"],
-}
-LOSSES = ["forward_kl", "tvd"]
-LOSS_DIR = ROOT / "conf" / "distill" / "loss"  # one YAML per divergence
-COMMON = [  # short runs sized for a shared 2-core CPU; see the README for what longer runs would change
-    "experiment=smollm2_135m", "logger=none", "runtime.device=cpu", "callbacks.progress_bar=null",
-    "callbacks.lr_monitor=null", "trainer.enable_progress_bar=false", "trainer.check_val_every_n_epoch=null",
-    "trainer.val_check_interval=1000000", "trainer.log_every_n_steps=5",
-    "distill.data.train_prompts=128", "distill.data.val_prompts=32", "distill.data.max_new_tokens=64",
-    "distill.data.top_k=32", "distill.data.batch_size=32", "distill.max_length=192", "distill.batch_size=4",
-    "distill.freeze_embeddings=true", "distill.optimizer.lr=5e-4", "distill.scheduler.num_warmup_steps=5",
-    "distill.draft_vocab=null",  # the full head, as the README's table was measured (the demo now sets 8192)
-]
+LOSSES = sorted(p.stem for p in (ROOT / "conf" / "distill" / "loss").glob("*.yaml"))  # one YAML per divergence
+os.environ.setdefault("PROJECT_ROOT", str(ROOT))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60, help="training steps of every variant (default: 60)")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
-                        help="draft shapes to distil (default: all)")
-    parser.add_argument("--losses", nargs="+", default=LOSSES, choices=sorted(p.stem for p in LOSS_DIR.glob("*.yaml")),
-                        help=f"divergences, from conf/distill/loss/ (default: {' '.join(LOSSES)})")
-    parser.add_argument("--out", default=str(ROOT / "checkpoints" / "bench"),
-                        help="folder for distill.json, distill.md and runs/ (default: checkpoints/bench)")
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every variant, before the flags")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    entry(bench, args)  # a bad setting (--steps 0, a bad override) is one line, as in the pipeline's scripts
-
-
-def bench(args: argparse.Namespace) -> None:
-    check_count("--steps", args.steps)
-    if any(o.lstrip("+~").split("=")[0] == "trainer.max_steps" for o in args.overrides):  # named runs a step count
-        raise SpecPolicyError("set the training steps with --steps, not trainer.max_steps (each run's folder and "
-                              "table row are named after --steps)")
-    out, run_dir = Path(args.out), Path(args.out) / "runs"
-    check_out_dir("--out", out)  # a file there was found by the first save, after the first training
-    # the overrides name the folder too: a run with another learning rate replaced the default run's folder
-    extra = f"-{cache_key(args.overrides)[:8]}" if args.overrides else ""
-    variants = [(shape, loss, f"{shape.split()[0].split('[')[0]}-{loss}-{args.steps}{extra}")
-                for shape in args.shapes for loss in args.losses]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        try:  # every variant's config before any training: a bad override is one line, not Hydra's traceback
-            configs = [compose(config_name="train", overrides=[
-                *COMMON, *SHAPES[shape], f"distill/loss={loss}", f"trainer.max_steps={args.steps}",
-                f"paths.checkpoints_dir={run_dir}", f"experiment_name={name}",
-                f"paths.cache_dir={ROOT / 'checkpoints' / '.cache'}", *args.overrides])
-                for shape, loss, name in variants]
-        except HydraException as err:
-            raise SpecPolicyError(' '.join(str(err).split())) from err
-        rows = _earlier_rows(out / "distill.json", {name for *_, name in variants})
-        for (shape, loss, name), cfg in zip(variants, configs):
-            shutil.rmtree(run_dir / name, ignore_errors=True)  # fresh training, shared data cache
-            distil(cfg)
-            metrics = json.loads((run_dir / name / "draft" / "metrics.json").read_text())
-            rows.append({"run": name, "draft": shape, "loss": loss, **_row(metrics), "overrides": args.overrides,
-                         "date": datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__})
-            _write(out, rows)
+def bench(cfg: DictConfig) -> None:
+    b = cfg.bench
+    steps = check_count("bench.steps", b.steps)
+    for setting, known in (("shapes", list(b.drafts)), ("losses", LOSSES)):
+        if unknown := [name for name in b[setting] if name not in known]:
+            raise SpecPolicyError(f"bench.{setting}: {unknown} not among {known}")
+    # what the user asked for beyond the bench's own keys and where files go: it names each run's folder and row
+    extra = [o for o in HydraConfig.get().overrides.task
+             if not o.lstrip("+~").startswith(("bench.", "hydra.", "paths."))]
+    for key, instead in (("trainer.max_steps", "bench.steps"), ("distill/loss", "bench.losses")):
+        if any(o.lstrip("+~").split("=")[0] == key for o in extra):  # each run's folder and row are named after it
+            raise SpecPolicyError(f"set {key} with {instead}: each run's folder and table row are named after it")
+    out, run_dir = Path(b.out), Path(b.out) / "runs"
+    check_out_dir("bench.out", out)  # a file there was found by the first save, after the first training
+    suffix = f"-{cache_key(extra)[:8]}" if extra else ""  # a run with another lr replaced the default run's folder
+    variants = [(shape, loss, f"{shape}-{loss}-{steps}{suffix}") for shape in b.shapes for loss in b.losses]
+    try:  # every variant's config before any training: a bad override is one line, not Hydra's traceback
+        configs = [hydra.compose(config_name="bench_distill", overrides=[  # the user's overrides win but for paths
+            *b.drafts[shape], f"distill/loss={loss}", f"trainer.max_steps={steps}", *HydraConfig.get().overrides.task,
+            f"paths.checkpoints_dir={run_dir}", f"experiment_name={name}", f"paths.cache_dir={cfg.paths.cache_dir}"])
+            for shape, loss, name in variants]
+    except HydraException as err:
+        raise SpecPolicyError(" ".join(str(err).split())) from err
+    rows = _earlier_rows(out / "distill.json", {name for *_, name in variants})
+    for (shape, loss, name), variant in zip(variants, configs):
+        shutil.rmtree(run_dir / name, ignore_errors=True)  # fresh training, shared data cache
+        distil(variant)
+        metrics = json.loads((run_dir / name / "draft" / "metrics.json").read_text())
+        rows.append({"run": name, "draft": shape, "loss": loss, **_row(metrics), "overrides": extra,
+                     "date": datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__})
+        _write(out, rows)
     print(_markdown(rows))
 
 
@@ -128,6 +102,11 @@ def _write(out: Path, rows: list[dict]) -> None:
     for name, text in (("distill.json", json.dumps(rows, indent=2)), ("distill.md", _markdown(rows) + "\n")):
         with atomic_path(out / name) as tmp:
             tmp.write_text(text)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="bench_distill")
+def main(cfg: DictConfig) -> None:
+    entry(bench, cfg)  # a bad setting (bench.steps=0, a bad override) is one line, as in the pipeline's scripts
 
 
 if __name__ == "__main__":

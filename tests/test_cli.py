@@ -248,18 +248,19 @@ def test_skinny_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
     assert_clean_error(proc, message)
 
 
-@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+@pytest.mark.parametrize("args, message", [(["bench.steps=0"], "bench.steps must be an integer >= 1, got 0"),
                                            (["distill.temperature=0"], "distill.temperature must be a number > 0"),
-                                           # an override after --losses was taken for a loss, then a compose error
-                                           (["--losses", "tvd", "distill.temperature=2"],
-                                            "invalid choice: 'distill.temperature=2' (choose from"),
+                                           (["bench.losses=[tvd,kl]"], "bench.losses: ['kl'] not among ['forward_kl'"),
+                                           (["bench.shapes=[big]"], "bench.shapes: ['big'] not among ['layers'"),
                                            (["engine.max_new_token=5"],  # a typo: Hydra's composition traceback
-                                            "error: Could not override 'engine.max_new_token'"),
-                                           (["trainer.max_steps=4"],  # trained 4 steps in a run named for --steps
-                                            "set the training steps with --steps, not trainer.max_steps")])
+                                            "Could not override 'engine.max_new_token'"),
+                                           (["trainer.max_steps=4"],  # 4 steps in a run named for bench.steps
+                                            "set trainer.max_steps with bench.steps"),
+                                           (["distill/loss=jsd"],  # trained jsd in runs and rows named for another
+                                            "set distill/loss with bench.losses")])
 def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: str, tmp_path: Path) -> None:
     """It calls the distil stage directly, outside the pipeline's script: its errors were tracebacks."""
-    assert_clean_error(run("bench_distill.py", *args, "--out", str(tmp_path), tmp_path=tmp_path), message)
+    assert_clean_error(run("bench_distill.py", *args, tmp_path=tmp_path), message)
 
 
 @pytest.mark.parametrize("sizes,ratios", [

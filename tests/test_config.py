@@ -46,7 +46,8 @@ def fake_artifacts(experiment_dir: Path) -> None:
 REUSES = {"smollm2_135m_batch_sweep": "smollm2_135m"}  # evaluates another experiment's trained artefacts
 
 
-@pytest.mark.parametrize("name", ["train", "evaluate", "bench_engine", "draft_metrics"])  # every entry config
+# every entry config
+@pytest.mark.parametrize("name", ["train", "evaluate", "bench_engine", "draft_metrics", "bench_distill"])
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_experiments_compose_and_resolve(name: str, experiment: str, tmp_path: Path) -> None:
     cfg = compose_config(name, [f"experiment={experiment}"], tmp_path)
