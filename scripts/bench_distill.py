@@ -38,6 +38,8 @@ def bench(cfg: DictConfig) -> None:
     b = cfg.bench
     steps = check_count("bench.steps", b.steps)
     for setting, known in (("shapes", list(b.drafts)), ("losses", LOSSES)):
+        if isinstance(b[setting], str):  # bench.shapes=fresh: its letters were the shapes
+            raise SpecPolicyError(f"bench.{setting} must be a list, e.g. 'bench.{setting}=[{b[setting]}]'")
         if unknown := [name for name in b[setting] if name not in known]:
             raise SpecPolicyError(f"bench.{setting}: {unknown} not among {known}")
     # what the user asked for beyond the bench's own keys and where files go: it names each run's folder and row
