@@ -38,6 +38,11 @@ WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 FAILED_JOBS: list[str] = []  # a multirun's jobs that stopped on bad input (`FailedJobs`)
 
 
+def _no_advert(record: logging.LogRecord) -> bool:
+    """Lightning 2.6 advertises its cloud logger each time a Trainer is built (four times in a demo)."""
+    return not record.getMessage().startswith("💡 Tip")
+
+
 def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     """Run a pipeline task on its config (a Hydra config, or a script's parsed arguments); bad input exits with
     code 2 and one line naming the problem and the fix, Ctrl-C with 130 and one line on what was kept. In a
@@ -45,6 +50,7 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
     if "WANDB_SWEEP_ID" not in os.environ:  # a `wandb agent`'s run reports to its sweep, online
         os.environ.setdefault("WANDB_MODE", "offline")  # no hub here; a user who sets WANDB_MODE goes online
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_no_advert)  # once: the same filter
     try:
         check_set(cfg)
         check_logger(cfg)

@@ -442,6 +442,14 @@ def test_a_lightning_loop_prints_no_warning_about_lightning_s_internals() -> Non
     assert not [str(w.message) for w in caught if "LeafSpec" in str(w.message)]
 
 
+def test_the_entry_points_print_lightning_s_facts_but_not_its_advert(caplog: pytest.LogCaptureFixture) -> None:
+    import lightning as L
+
+    with caplog.at_level("INFO"):
+        entry(lambda cfg: L.Trainer(logger=False, enable_progress_bar=False), None)
+    assert "GPU available" in caplog.text and "Tip" not in caplog.text
+
+
 def test_library_refusals_are_bad_input_and_our_own_errors_are_bugs(monkeypatch) -> None:
     """A misspelt `_target_`, a library class refusing its settings or a key our class does not take is one
     line; any other exception but SpecPolicyError from our own classes is a bug, whose traceback entry() shows."""
