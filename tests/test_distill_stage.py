@@ -109,24 +109,27 @@ def test_lora_with_a_draft_vocabulary_saves_the_draft_it_measured(shared):
 
 
 class RecordBatches(L.Callback):
-    """The rows of every training batch, in order."""
+    """The rows of every training batch, in order, and the epoch of each."""
 
     batches: list = []
+    epochs: list = []
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         rows = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -1)
         RecordBatches.batches.append(sorted(tuple(t for t in r if t >= 0) for r in rows.tolist()))
+        RecordBatches.epochs.append((trainer.current_epoch, trainer.max_epochs))
 
 
 def test_gradient_accumulation_takes_fresh_batches_for_every_step(shared):
     """With accumulate_grad_batches=2 a step takes two batches: 3 steps of 2 x 4 rows go over the 12 training
-    sequences twice, each pass a permutation (the sampler once ran out after max_steps batches)."""
-    RecordBatches.batches = []
+    sequences twice, each pass a permutation (the sampler once ran out after max_steps batches). The whole run is
+    Lightning's epoch 0 of 1 (its progress bar read "Epoch 0/-2" with max_epochs unset)."""
+    RecordBatches.batches, RecordBatches.epochs = [], []
     distil(_cfg(shared, "accumulate", "draft.layers=[0,-1]", "trainer.max_steps=3", "trainer.val_check_interval=6",
                 "+trainer.accumulate_grad_batches=2", "+callbacks.record._target_=test_distill_stage.RecordBatches"))
     assert _metrics(shared, "accumulate")["steps"] == 3
     batches = RecordBatches.batches
-    assert len(batches) == 6
+    assert len(batches) == 6 and RecordBatches.epochs == [(0, 1)] * 6
     for epoch in (batches[:3], batches[3:]):
         rows = [r for b in epoch for r in b]
         assert len(set(rows)) == len(rows) == 12

@@ -355,4 +355,7 @@ def _trainer(cfg: DictConfig, *extra: L.Callback) -> L.Trainer:
     logger = experiment_logger(cfg, "distil", checkpoints_of(cfg.get("callbacks")), cfg.distill.ckpt_path) or False
     if logger is False:  # LearningRateMonitor refuses to run without a logger
         callbacks = [c for c in callbacks if not isinstance(c, L.pytorch.callbacks.LearningRateMonitor)]
-    return instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
+    # the sampler's one epoch is the whole run (`StepBatchSampler`): unset, max_epochs became -1 and the progress
+    # bar read "Epoch 0/-2"
+    epochs = {} if cfg.trainer.get("max_epochs") is not None else {"max_epochs": 1}
+    return instantiate(cfg.trainer, callbacks=callbacks, logger=logger, **epochs)
