@@ -204,8 +204,9 @@ def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -
     distilled before the test split existed, or made elsewhere. scripts/draft_metrics.py prints it."""
     module = DistillModule(draft.model, target.model, loss=instantiate(cfg.distill.loss), optimizer=None,
                            temperature=cfg.distill.temperature)
-    trainer = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, precision=cfg.trainer.precision,
-                        logger=False, enable_checkpointing=False, enable_model_summary=False, inference_mode=False)
+    # the experiment's Trainer (accelerator, precision, ...) on one device, writing nothing
+    trainer = instantiate(cfg.trainer, devices=1, strategy="auto", logger=False, callbacks=[],
+                          enable_checkpointing=False, enable_model_summary=False, inference_mode=False)
     return {"draft": draft.name, "target": target.name, "cost": draft.cost,
             **_held_out(trainer, module, _datamodule(cfg, target, draft, _prompt_groups(cfg, target, train=False)))}
 
