@@ -40,6 +40,8 @@ def test_cost_model_interpolates_between_measured_points() -> None:
     between = cost.forward_ms("target", 4, 3.5)
     assert cost.forward_ms("target", 4, 3) < between < cost.forward_ms("target", 4, 4)
     assert cost.forward_ms("target", 1000, 1) == cost.forward_ms("target", 64, 1)  # clamped, not extrapolated
+    assert cost.forward_ms("target", rows=4, tokens=3.5) == between  # by name too, as before its answers were kept
+    assert cost.max_useful_depth(1, limit=4) == cost.max_useful_depth(1, 4)
     assert cost.step_ms(8, 0) == pytest.approx(30 + 8)
     assert cost.step_ms(8, 2) == pytest.approx(2 * 0.1 * (30 + 8) + 30 + 8 * 3)
 

@@ -17,10 +17,10 @@ def remembered(method: Callable[..., Any]) -> Callable[..., Any]:
     """A CostModel method answered once per arguments: policies ask the same few questions every decode step,
     and the answers must cost nothing on the clock they price."""
     @functools.wraps(method)
-    def answer(self: CostModel, *args: Any) -> Any:
-        key = (method.__name__, *args)
+    def answer(self: CostModel, *args: Any, **kwargs: Any) -> Any:
+        key = (method.__name__, *args, *kwargs.items())  # no binding of names to positions: it costs ~10 us a call
         if key not in self._known:
-            self._known[key] = method(self, *args)
+            self._known[key] = method(self, *args, **kwargs)
         return self._known[key]
     return answer
 
