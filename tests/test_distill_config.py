@@ -68,3 +68,15 @@ def test_fresh_draft_refuses_empty_sizes(sizes, message):
     """hidden_size=0 used to read as null and build a full-width draft without a word."""
     with pytest.raises(SpecPolicyError, match=message):
         FreshDraft(**sizes)
+
+
+def test_a_saved_draft_is_measured_by_the_experiment_s_trainer_on_one_device():
+    """draft_metrics measured with a Trainer of two of cfg.trainer's fields; built from all of them, a data-parallel
+    or multi-node trainer must still run on this one device (a second node would be waited for)."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from specpolicy.distill.stage import measuring_trainer
+
+    trainer = measuring_trainer(_compose("trainer=ddp", "+trainer.num_nodes=2", "trainer.precision=bf16-mixed"))
+    assert (trainer.num_devices, trainer.num_nodes) == (1, 1) and isinstance(trainer.strategy, SingleDeviceStrategy)
+    assert trainer.precision == "bf16-mixed" and trainer.logger is None and not trainer.checkpoint_callbacks

@@ -204,11 +204,16 @@ def held_out_metrics(cfg: DictConfig, target: LoadedModel, draft: LoadedModel) -
     distilled before the test split existed, or made elsewhere. scripts/draft_metrics.py prints it."""
     module = DistillModule(draft.model, target.model, loss=instantiate(cfg.distill.loss), optimizer=None,
                            temperature=cfg.distill.temperature)
-    # the experiment's Trainer (accelerator, precision, ...) on one device, writing nothing
-    trainer = instantiate(cfg.trainer, devices=1, strategy="auto", logger=False, callbacks=[],
-                          enable_checkpointing=False, enable_model_summary=False, inference_mode=False)
+    trainer = measuring_trainer(cfg)
     return {"draft": draft.name, "target": target.name, "cost": draft.cost,
             **_held_out(trainer, module, _datamodule(cfg, target, draft, _prompt_groups(cfg, target, train=False)))}
+
+
+def measuring_trainer(cfg: DictConfig) -> L.Trainer:
+    """The experiment's Trainer (accelerator, precision, ...) on one device of one node, writing nothing: a saved
+    draft's metrics need no data parallelism."""
+    return instantiate(cfg.trainer, devices=1, num_nodes=1, strategy="auto", logger=False, callbacks=[],
+                       enable_checkpointing=False, enable_model_summary=False, inference_mode=False)
 
 
 def _held_out(trainer: L.Trainer, module: DistillModule, datamodule: DistillDataModule) -> dict:
