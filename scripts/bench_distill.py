@@ -21,7 +21,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from specpolicy.atomic import atomic_path
 from specpolicy.cli import check_out_dir, entry
@@ -38,13 +38,14 @@ def bench(cfg: DictConfig) -> None:
     b = cfg.bench
     steps = check_count("bench.steps", b.steps)
     for setting, known in (("shapes", list(b.drafts)), ("losses", LOSSES)):
-        if isinstance(b[setting], str):  # bench.shapes=fresh: its letters were the shapes
+        if not OmegaConf.is_list(b[setting]):  # bench.shapes=fresh: its letters were the shapes
             raise SpecPolicyError(f"bench.{setting} must be a list, e.g. 'bench.{setting}=[{b[setting]}]'")
         if unknown := [name for name in b[setting] if name not in known]:
             raise SpecPolicyError(f"bench.{setting}: {unknown} not among {known}")
-    # what the user asked for beyond the bench's own keys and where files go: it names each run's folder and row
-    extra = [o for o in HydraConfig.get().overrides.task
-             if not o.lstrip("+~").startswith(("bench.", "hydra.", "paths."))]
+    # what the user changed but the variants' names and where files go (a shape's own overrides, bench.drafts, too):
+    # it names each run's folder and row
+    named = ("bench.steps", "bench.shapes", "bench.losses", "bench.out", "hydra.", "paths.")
+    extra = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith(named)]
     for key, instead in (("trainer.max_steps", "bench.steps"), ("distill/loss", "bench.losses")):
         if any(o.lstrip("+~").split("=")[0] == key for o in extra):  # each run's folder and row are named after it
             raise SpecPolicyError(f"set {key} with {instead}: each run's folder and table row are named after it")

@@ -253,6 +253,7 @@ def test_skinny_benchmark_names_a_bad_setting(override: str, message: str, tmp_p
                                            (["bench.losses=[tvd,kl]"], "bench.losses: ['kl'] not among ['forward_kl'"),
                                            (["bench.shapes=[big]"], "bench.shapes: ['big'] not among ['layers'"),
                                            (["bench.shapes=fresh"], "bench.shapes must be a list, e.g. 'bench.shapes"),
+                                           (["bench.losses=null"], "bench.losses must be a list"),  # a TypeError
                                            (["engine.max_new_token=5"],  # a typo: Hydra's composition traceback
                                             "Could not override 'engine.max_new_token'"),
                                            (["trainer.max_steps=4"],  # 4 steps in a run named for bench.steps
