@@ -265,6 +265,21 @@ def test_distillation_benchmark_names_a_bad_setting(args: list[str], message: st
     assert_clean_error(run("bench_distill.py", *args, tmp_path=tmp_path), message)
 
 
+def test_distillation_benchmark_names_a_setting_alike_however_it_is_written(monkeypatch) -> None:
+    """A run's folder and row carry a hash of the user's overrides: a multirun passes `lr=1e-3` on as `lr=0.001`,
+    and the two made two rows for one setting."""
+    import importlib.util
+
+    monkeypatch.setenv("PROJECT_ROOT", str(ROOT))  # the script sets it when unset
+    spec = importlib.util.spec_from_file_location("bench_distill", ROOT / "scripts" / "bench_distill.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    key = script.settings_key
+    assert key(["distill.temperature=1e-1"]) == key(["distill.temperature=0.1"]) != key(["distill.temperature=2e-1"])
+    assert key(["draft_layers=[0, 1]", "draft=layers"]) == key(["draft_layers=[0,1]", "draft=layers"])
+    assert key(["+trainer.x=1"]) != key(["trainer.x=1"])
+
+
 @pytest.mark.parametrize("sizes,ratios", [
     ("[1,2]", {"engine_ar_vs_hf_generate@1", "engine_ar_vs_hf_generate@2", "engine_static_k1_vs_hf_assisted@1",
                "engine_static_k1_vs_engine_ar@1"}),
