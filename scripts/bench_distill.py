@@ -45,18 +45,20 @@ def bench(cfg: DictConfig) -> None:
             raise SpecPolicyError(f"bench.{setting}: {unknown} not among {known}")
     # what the user changed but the variants' names and where files go (a shape's own overrides, bench.drafts, too):
     # it names each run's folder and row
+    task = list(HydraConfig.get().overrides.task)
     named = ("bench.steps", "bench.shapes", "bench.losses", "bench.out", "hydra.", "paths.")
-    extra = [o for o in HydraConfig.get().overrides.task if not o.lstrip("+~").startswith(named)]
+    changed = [o for o in OverridesParser.create().parse_overrides(task) if not o.key_or_group.startswith(named)]
     for key, instead in (("trainer.max_steps", "bench.steps"), ("distill/loss", "bench.losses")):
-        if any(o.lstrip("+~").split("=")[0] == key for o in extra):  # each run's folder and row are named after it
+        if any(o.key_or_group == key for o in changed):  # each run's folder and row are named after it
             raise SpecPolicyError(f"set {key} with {instead}: each run's folder and table row are named after it")
+    extra = [o.input_line for o in changed]
     out, run_dir = Path(b.out), Path(b.out) / "runs"
     check_out_dir("bench.out", out)  # a file there was found by the first save, after the first training
     suffix = f"-{settings_key(extra)}" if extra else ""  # a run with another lr replaced the default run's folder
     variants = [(shape, loss, f"{shape}-{loss}-{steps}{suffix}") for shape in b.shapes for loss in b.losses]
     try:  # every variant's config before any training: a bad override is one line, not Hydra's traceback
         configs = [hydra.compose(config_name="bench_distill", overrides=[  # the user's overrides win but for paths
-            *b.drafts[shape], f"distill/loss={loss}", f"trainer.max_steps={steps}", *HydraConfig.get().overrides.task,
+            *b.drafts[shape], f"distill/loss={loss}", f"trainer.max_steps={steps}", *task,
             f"paths.checkpoints_dir={run_dir}", f"experiment_name={name}", f"paths.cache_dir={cfg.paths.cache_dir}"])
             for shape, loss, name in variants]
     except HydraException as err:
