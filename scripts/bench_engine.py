@@ -17,7 +17,6 @@ import logging
 import os
 import statistics
 from datetime import datetime
-from functools import partial
 from pathlib import Path
 
 import hydra
@@ -31,7 +30,7 @@ from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import SpecPolicyError, check_count, check_counts, fitting_batch_sizes
-from specpolicy.eval.hf_baselines import assisted_settings, hf_assisted, hf_generate, unassistable
+from specpolicy.eval.hf_baselines import assisted_settings, hf_decoders, unassistable
 from specpolicy.eval.report import EXACT_DTYPES, VIOLATED, is_engine
 from specpolicy.eval.runner import Baseline, full_batches, side_by_side, summarise
 from specpolicy.models import LoadedModel
@@ -64,15 +63,14 @@ def bench(cfg: DictConfig) -> None:
         log.warning("bench_engine: %s: static k is compared with the engine's ar only", why)
     runs = {bs: side_by_side(engine, full_batches(prompts, bs, "bench.num_prompts"), policies, bs, cfg.bench.repeats,
                              baselines)
-            for bs, (policies, baselines) in _decoders(cfg, engine, target, draft, batch_sizes, why is None).items()}
+            for bs, (policies, baselines) in _decoders(cfg, engine, target, draft, batch_sizes).items()}
     rows = {f"{'engine_' if is_engine(row) else ''}{row['policy']}@{bs}": row
             for bs, group in runs.items() for row in summarise(group)}
     per_pass = {name: _per_pass(row["units"], cfg.bench.repeats) for name, row in rows.items()}
-    pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in batch_sizes}
+    pairs = {f"engine_ar_vs_hf_generate@{bs}": (f"engine_ar@{bs}", f"hf_generate@{bs}") for bs in runs}
     pairs.update({f"engine_static_k{k}_vs_hf_assisted@1": (f"engine_static_k{k}@1", f"hf_assisted_k{k}@1")
                   for k in cfg.bench.ks if why is None})
-    pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks
-                  if 1 in batch_sizes})  # plain decoding at batch 1 runs only when asked for
+    pairs.update({f"engine_static_k{k}_vs_engine_ar@1": (f"engine_static_k{k}@1", "engine_ar@1") for k in cfg.bench.ks})
     ratios, ranges = {}, {}
     for key, (a, b) in pairs.items():
         within = [x / y for x, y in zip(per_pass[a], per_pass[b])]
@@ -113,21 +111,16 @@ def _same_as_ar(rows: dict[str, dict], dtype: str) -> dict[str, float]:
     return same
 
 
-def _decoders(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel, batch_sizes: list[int],
-              assisted: bool) -> dict[int, tuple[dict[str, DepthPolicy], dict[str, Baseline]]]:
+def _decoders(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: LoadedModel,
+              batch_sizes: list[int]) -> dict[int, tuple[dict[str, DepthPolicy], dict[str, Baseline]]]:
     """Per batch size, the engine's policies and transformers' decoders that take turns on each batch: `ar` and
-    `model.generate` at each size; at batch 1 also static k and assisted generation at the same k."""
-    n, eos, pad = engine.max_new_tokens, target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id
-    groups: dict[int, tuple[dict[str, DepthPolicy], dict[str, Baseline]]] = {
-        bs: ({"ar": ArPolicy()}, {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos)})
-        for bs in batch_sizes}
-    policies, baselines = groups.setdefault(1, ({}, {}))
-    for k in cfg.bench.ks:
-        policies[f"static_k{k}"] = StaticPolicy(k=k)
-        if assisted:
-            baselines[f"hf_assisted_k{k}"] = partial(hf_assisted, target.model, draft.model, max_new_tokens=n, k=k,
-                                                     eos_id=eos)
-    return groups
+    `model.generate` at each size; at batch 1, which always runs, also static k and assisted generation at the same
+    k."""
+    assisted = {f"hf_assisted_k{k}": k for k in cfg.bench.ks}
+    return {bs: ({"ar": ArPolicy()} | ({f"static_k{k}": StaticPolicy(k=k) for k in cfg.bench.ks} if bs == 1 else {}),
+                 hf_decoders(target.model, draft.model, bs, engine.max_new_tokens, target.tokenizer.pad_token_id,
+                             assisted))
+            for bs in sorted({1, *batch_sizes})}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_engine")

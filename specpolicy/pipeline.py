@@ -26,7 +26,7 @@ from specpolicy.decode import Engine
 from specpolicy.decode.engine import check_settings
 from specpolicy.distill.stage import check_distil, distil
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_counts, check_int, fitting_batch_sizes
-from specpolicy.eval.hf_baselines import hf_assisted, hf_generate, unassistable
+from specpolicy.eval.hf_baselines import hf_decoders, unassistable
 from specpolicy.eval.report import write_report
 from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
@@ -278,10 +278,5 @@ def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: Lo
     the target's features, which `assistant_model=` cannot give it), sampling as the engine does."""
     if not cfg.eval.hf_baselines:
         return {}
-    eos, pad, n = target.model.generation_config.eos_token_id, target.tokenizer.pad_token_id, engine.max_new_tokens
-    warp = {"temperature": engine.temperature, "top_p": engine.top_p}
-    baselines = {"hf_generate": lambda batch: hf_generate(target.model, batch, n, pad, eos, **warp)}
-    if bs == 1 and not unassistable(target.model, draft.model):
-        k = cfg.eval.hf_assisted_k
-        baselines["hf_assisted"] = lambda batch: hf_assisted(target.model, draft.model, batch, n, k, eos, **warp)
-    return baselines
+    return hf_decoders(target.model, draft.model, bs, engine.max_new_tokens, target.tokenizer.pad_token_id,
+                       {"hf_assisted": cfg.eval.hf_assisted_k}, engine.temperature, engine.top_p)

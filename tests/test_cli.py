@@ -280,19 +280,17 @@ def test_distillation_benchmark_names_a_setting_alike_however_it_is_written(monk
     assert key(["+trainer.x=1"]) != key(["trainer.x=1"])
 
 
-@pytest.mark.parametrize("sizes,ratios", [
-    ("[1,2]", {"engine_ar_vs_hf_generate@1", "engine_ar_vs_hf_generate@2", "engine_static_k1_vs_hf_assisted@1",
-               "engine_static_k1_vs_engine_ar@1"}),
-    ("[2]", {"engine_ar_vs_hf_generate@2", "engine_static_k1_vs_hf_assisted@1"}),  # was a KeyError: no ar at 1
-])
-def test_engine_benchmark_reports_ratios_within_rounds(sizes: str, ratios: set[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("sizes", ["[1,2]", "[2]"])  # [2] was a KeyError: no ar at 1
+def test_engine_benchmark_reports_ratios_within_rounds(sizes: str, tmp_path: Path) -> None:
     """scripts/bench_engine.py on tiny models: every ratio comes with its geometric mean and its range over rounds,
-    and equals the quotient of the two speeds printed beside it (a median of ratios did not)."""
+    and equals the quotient of the two speeds printed beside it (a median of ratios did not); batch 1, where static
+    k is compared, runs whether or not it is asked for."""
     proc = run("bench_engine.py", "experiment=tiny", "debug=fast", "draft=layers", "bench.num_prompts=2",
                f"bench.batch_sizes={sizes}", "bench.ks=[1]", "bench.repeats=2", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "tiny" / "bench" / "engine-float32.json").read_text())
-    assert set(report["ratios"]) == ratios
+    assert set(report["ratios"]) == {"engine_ar_vs_hf_generate@1", "engine_ar_vs_hf_generate@2",
+                                     "engine_static_k1_vs_hf_assisted@1", "engine_static_k1_vs_engine_ar@1"}
     for key, ratio in report["ratios"].items():
         low, high = report["ratio_range"][key]
         assert 0 < low <= ratio <= high

@@ -7,14 +7,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from specpolicy.errors import SpecPolicyError
+from specpolicy.eval.runner import Baseline
 from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import eos_ids
 from specpolicy.runtime import synchronize
+
+
+def hf_decoders(target: PreTrainedModel, draft: PreTrainedModel, batch_size: int, max_new_tokens: int,
+                pad_id: int | None, assisted: dict[str, int], temperature: float = 0.0,
+                top_p: float = 1.0) -> dict[str, Baseline]:
+    """transformers' decoders for one batch size, as `eval.runner.side_by_side` takes them: `generate`, and at batch
+    1 assisted generation under each name in `assisted` at its k (where the pair allows it: `unassistable`)."""
+    eos, warp = target.generation_config.eos_token_id, {"temperature": temperature, "top_p": top_p}
+    decoders = {"hf_generate": partial(hf_generate, target, max_new_tokens=max_new_tokens, pad_id=pad_id, eos_id=eos,
+                                       **warp)}
+    if batch_size == 1 and not unassistable(target, draft):
+        decoders.update({name: partial(hf_assisted, target, draft, max_new_tokens=max_new_tokens, k=k, eos_id=eos,
+                                       **warp) for name, k in assisted.items()})
+    return decoders
 
 
 @contextmanager
