@@ -21,6 +21,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -54,7 +55,7 @@ def bench(cfg: DictConfig) -> None:
     extra = [o.input_line for o in changed]
     out, run_dir = Path(b.out), Path(b.out) / "runs"
     check_out_dir("bench.out", out)  # a file there was found by the first save, after the first training
-    suffix = f"-{settings_key(extra)}" if extra else ""  # a run with another lr replaced the default run's folder
+    suffix = f"-{settings_key(changed)}" if changed else ""  # a run with another lr replaced the default run's folder
     variants = [(shape, loss, f"{shape}-{loss}-{steps}{suffix}") for shape in b.shapes for loss in b.losses]
     try:  # every variant's config before any training: a bad override is one line, not Hydra's traceback
         configs = [hydra.compose(config_name="bench_distill", overrides=[  # the user's overrides win but for paths
@@ -74,11 +75,10 @@ def bench(cfg: DictConfig) -> None:
     print(_markdown(rows))
 
 
-def settings_key(overrides: list[str]) -> str:
-    """A short hash of `overrides` as Hydra reads them: `lr=1e-3` typed in a run and `lr=0.001` as a multirun
+def settings_key(overrides: list[Override]) -> str:
+    """A short hash of `overrides` as Hydra parsed them: `lr=1e-3` typed in a run and `lr=0.001` as a multirun
     passes it on name one run (their text made two rows for one setting)."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return cache_key({"overrides": [[o.type.name, o.key_or_group, o.package, repr(o.value())] for o in parsed]})[:8]
+    return cache_key({"overrides": [[o.type.name, o.key_or_group, o.package, repr(o.value())] for o in overrides]})[:8]
 
 
 def _earlier_rows(path: Path, rerun: set[str]) -> list[dict]:

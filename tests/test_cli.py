@@ -270,11 +270,16 @@ def test_distillation_benchmark_names_a_setting_alike_however_it_is_written(monk
     and the two made two rows for one setting."""
     import importlib.util
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     monkeypatch.setenv("PROJECT_ROOT", str(ROOT))  # the script sets it when unset
     spec = importlib.util.spec_from_file_location("bench_distill", ROOT / "scripts" / "bench_distill.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    key = script.settings_key
+
+    def key(overrides: list[str]) -> str:
+        return script.settings_key(OverridesParser.create().parse_overrides(overrides))
+
     assert key(["distill.temperature=1e-1"]) == key(["distill.temperature=0.1"]) != key(["distill.temperature=2e-1"])
     assert key(["draft_layers=[0, 1]", "draft=layers"]) == key(["draft_layers=[0,1]", "draft=layers"])
     assert key(["+trainer.x=1"]) != key(["trainer.x=1"])
