@@ -82,6 +82,7 @@ def bench(cfg: DictConfig) -> None:
               "ratios": ratios, "ratio_range": ranges,
               "ratio_of": {key: list(pair) for key, pair in pairs.items()},  # which two tokens_per_s each divides
               "same_as_engine_ar": _same_as_ar(rows, cfg.runtime.dtype), "hardware": hardware(engine.device),
+              "other_load_cores": {bs: next(iter(group.values())).other_load_cores for bs, group in runs.items()},
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
               "engine": {"solo_above": engine.solo_above, "max_padding": engine.max_padding},
               "date": datetime.now().isoformat(timespec="seconds")}

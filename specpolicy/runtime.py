@@ -1,13 +1,15 @@
-"""Device and dtype resolution shared by every stage, with errors that name valid values, and the names
-profiles and reports give the hardware."""
+"""Device and dtype resolution shared by every stage, with errors that name valid values, the names
+profiles and reports give the hardware, and how busy the rest of the machine was while they timed it."""
 
 from __future__ import annotations
 
 import os
 import platform
 import re
+import time
 from typing import Any
 
+import psutil
 import torch
 
 from specpolicy.errors import SpecPolicyError, check_bool
@@ -74,3 +76,36 @@ def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.machine()} {device_name(device)}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+
+
+class OtherLoad:
+    """Measures, as a context manager, the CPU that everything but this process took while the block ran, in
+    cores: other processes, and on a VM the hypervisor's steal time. A timing describes the hardware only if
+    nothing else ran, and a profile timed on a busy machine is slow in every cell alike, which no consistency
+    check of its own (`LatencyProfile.outliers`) can see. On a 2-core VM a busy-looping process took 0.79 cores
+    from a 2-thread matmul loop, which then got 1.17 cores instead of 1.98; an idle machine read 0.01."""
+
+    busy_share = 0.1  # of the machine's cores: above it, timings are flagged as a busy machine's
+
+    def __enter__(self) -> OtherLoad:
+        self.cores, self._start = 0.0, self._clocks()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, busy, own = (end - start for start, end in zip(self._start, self._clocks()))
+        self.cores = max(busy - own, 0.0) / wall  # the system counts in ticks, a process exactly: never below 0
+
+    @property
+    def busy(self) -> bool:
+        return self.cores > self.busy_share * psutil.cpu_count()
+
+    def __str__(self) -> str:
+        return f"{self.cores:.2f} of {psutil.cpu_count()} CPU cores"
+
+    @staticmethod
+    def _clocks() -> tuple[float, float, float]:
+        """Wall seconds, CPU seconds the whole machine was busy (guest time is inside user time already),
+        and CPU seconds of this process's threads."""
+        machine, own = psutil.cpu_times()._asdict(), psutil.Process().cpu_times()
+        busy = sum(v for k, v in machine.items() if k not in ("idle", "iowait", "guest", "guest_nice"))
+        return time.perf_counter(), busy, own.user + own.system

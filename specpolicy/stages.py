@@ -40,6 +40,7 @@ from specpolicy.policy.head import HeadConfig
 from specpolicy.policy.lightning import HeadModule, RolloutDataModule
 from specpolicy.rollout.collect import COLUMNS, RecordingPolicy
 from specpolicy.rollout.features import FEATURE_NAMES
+from specpolicy.runtime import OtherLoad
 
 log = logging.getLogger("specpolicy")
 
@@ -95,13 +96,15 @@ def profile(cfg: DictConfig) -> None:
     rows, tokens = check_profile(cfg)
     target, draft = load_pair(cfg, cfg.trained_draft)
     check_grid_fits(p, target)
-    latency = measure(target.model, draft.model, rows, tokens, p.context, p.repeats, cfg.runtime.dtype)
-    if p.overhead_steps:
-        latency.draft_step_overhead_ms = drafting_overhead(target.model, draft.model, latency, p.overhead_steps,
-                                                           p.overhead_rounds)
-        log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
-                 [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
-    if odd := latency.outliers():
+    with OtherLoad() as load:
+        latency = measure(target.model, draft.model, rows, tokens, p.context, p.repeats, cfg.runtime.dtype)
+        if p.overhead_steps:
+            latency.draft_step_overhead_ms = drafting_overhead(target.model, draft.model, latency, p.overhead_steps,
+                                                               p.overhead_rounds)
+            log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
+                     [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
+    latency.other_load_cores = round(load.cores, 3)
+    if odd := [f"other processes took {load} while it timed"] * load.busy + latency.outliers():
         log.warning("profile: %s; was the machine busy? Delete %s and profile again on an idle machine, or the "
                     "load-aware policies price their depths from these", "; ".join(odd), out)
     record(out, made_with)  # first: an output without its record would be reused whatever made it

@@ -141,6 +141,7 @@ def test_train_then_evaluate_end_to_end(tmp_path: Path) -> None:
     profile = profile_file("profile", "cpu", "float32", skinny_gemm=True)
     for artefact in ("draft/config.json", "draft/metrics.json", profile, "rollouts/dataset_info.json", "head/head.pt"):
         assert (exp / artefact).exists(), artefact
+    assert json.loads((exp / profile).read_text())["other_load_cores"] >= 0  # what others took while it timed
     again = run("train.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert again.returncode == 0 and (again.stdout + again.stderr).count("skipping") >= 4, again.stdout[-2000:]
     held_out = run("draft_metrics.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
@@ -305,6 +306,7 @@ def test_engine_benchmark_reports_ratios_within_rounds(sizes: str, tmp_path: Pat
     # every decoder wrote the engine's greedy ar output (fp32), and the file says on what it was measured
     assert report["same_as_engine_ar"] and set(report["same_as_engine_ar"].values()) == {1.0}
     assert {"hardware", "versions", "engine", "date"} <= set(report)
+    assert set(report["other_load_cores"]) == {"1", "2"} and min(report["other_load_cores"].values()) >= 0
 
 
 def test_wandb_online_without_a_key_fails_before_the_work(tmp_path: Path) -> None:

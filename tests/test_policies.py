@@ -484,6 +484,35 @@ def test_timings_a_busy_machine_explains_are_flagged() -> None:
     assert "target's forward of 2 rows x 7 tokens took 1760.0 ms" in found[0] and "at 4 rows cost 1000.0" in found[1]
 
 
+def test_the_load_other_processes_put_on_the_cpu_is_measured_and_ours_is_not() -> None:
+    """A profile timed beside another job is slow in every cell alike, which `outliers` cannot see: the CPU other
+    processes take is measured instead. A busy-looping process is seen as about a core; our own busy loop is not."""
+    import subprocess
+    import sys
+    import time
+
+    from specpolicy.runtime import OtherLoad
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    with OtherLoad() as ours:
+        spin(1.0)
+    assert ours.cores < 0.5 and not ours.busy, str(ours)
+    neighbour = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started
+        with OtherLoad() as theirs:
+            time.sleep(1.0)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    assert 0.5 < theirs.cores < 1.5 and theirs.busy, str(theirs)
+    assert re.fullmatch(r"\d\.\d\d of \d+ CPU cores", str(theirs))
+
+
 def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
     """A profile whose latencies do not fill its grid failed mid-decode with an IndexError in the cost model."""
     path = tmp_path / "p.json"
@@ -500,6 +529,7 @@ def test_a_damaged_profile_is_named_with_its_fix(tmp_path: Path) -> None:
         "target_ms are not all numbers > 0": {"target_ms": [[None] * tokens] * rows},
         "not one number per row count": {"draft_step_overhead_ms": [1.0]},
         "make a draft position cost less than nothing": {"draft_step_overhead_ms": [-1e6] * rows},
+        "other_load_cores is not a number >= 0": {"other_load_cores": "busy"},
     }
     for problem, edit in edits.items():
         path.write_text(json.dumps({**whole, **edit}))

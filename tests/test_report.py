@@ -27,7 +27,7 @@ from test_engine_sampling import chi_square_p
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 PLOTS = ("speedup_vs_batch", "depth_vs_load", "flops", "acceptance_by_position")
-RUN_KEYS = {"policy", "batch_size", "tokens", "wall_s", "tokens_per_s", "speedup"}
+RUN_KEYS = {"policy", "batch_size", "tokens", "wall_s", "tokens_per_s", "speedup", "other_load_cores"}
 ENGINE_KEYS = RUN_KEYS | {"acceptance_rate", "mean_accepted", "mean_depth", "flops"}
 FLOP_KEYS = {"useful", "rejected", "padding", "total", "ar_equivalent"}
 OUTPUT_KEYS = {"policy", "batch_size", "prompt_index", "prompt_ids", "output_ids", "text"}
@@ -242,7 +242,10 @@ def test_report_from_real_runs(real, tmp_path):
     assert next(r for r in report["runs"] if r["policy"] == "ar")["acceptance_rate"] is None  # not 0: undefined
     assert "every greedy output of static_k2, confidence, oracle equals ar's" in md and "VIOLATED" not in md
     assert all(f"![{name}]({name}.png)" in md for name in PLOTS)
-    assert "## Batch size 1 (4 batches, 4 prompts)" in md and "## Batch size 4 (1 batch, 4 prompts)" in md
+    loads = {r["batch_size"]: r["other_load_cores"] for r in report["runs"]}  # what others took while it decoded
+    assert all(isinstance(cores, float) and cores >= 0 for cores in loads.values()), loads
+    assert f"## Batch size 1 (4 batches, 4 prompts, other load {loads[1]:.2f} cores)" in md
+    assert f"## Batch size 4 (1 batch, 4 prompts, other load {loads[4]:.2f} cores)" in md
 
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4

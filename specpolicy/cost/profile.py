@@ -37,6 +37,7 @@ class LatencyProfile:
     draft_ms: list[list[float]]  # the last token scored (a draft forward; since 2026-12-06, every one before)
     # [len(rows)] what a decode step that drafts costs beyond the forwards above, signed (cost.overhead); none: 0
     draft_step_overhead_ms: list[float] | None = None
+    other_load_cores: float | None = None  # CPU others took while it was timed (runtime.OtherLoad); none: unknown
 
     def save(self, path: str | Path) -> None:
         with atomic_path(path) as tmp:
@@ -77,6 +78,8 @@ class LatencyProfile:
                 return f"its {name} do not fill its {shape} grid"
             if not all(is_number(v) and v > 0 for row in ms for v in row):
                 return f"its {name} are not all numbers > 0"
+        if self.other_load_cores is not None and not (is_number(self.other_load_cores) and self.other_load_cores >= 0):
+            return "its other_load_cores is not a number >= 0"
         overhead = self.draft_step_overhead_ms
         if overhead is None:
             return None

@@ -28,6 +28,7 @@ from matplotlib.figure import Figure  # no pyplot: no global state, Agg renders 
 
 from specpolicy.errors import SpecPolicyError
 from specpolicy.eval.interval import MIN_UNITS, ratio_interval
+from specpolicy.runtime import OtherLoad
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
@@ -103,13 +104,16 @@ def batch_sizes(runs: list[dict]) -> list[int]:
 
 
 def batch_heading(runs: list[dict], batch_size: int) -> str:
-    """"Batch size 4 (3 batches, 12 prompts)": only full batches are decoded, so a batch size that does not divide
-    the prompts decodes fewer of them than the header's "prompts loaded"."""
-    batches = max(len({u[2] for u in r.get("units") or []}) for r in runs if r["batch_size"] == batch_size)
+    """"Batch size 4 (3 batches, 12 prompts, other load 0.01 cores)": only full batches are decoded, so a batch size
+    that does not divide the prompts decodes fewer of them than the header's "prompts loaded"."""
+    here = [r for r in runs if r["batch_size"] == batch_size]
+    batches = max(len({u[2] for u in r.get("units") or []}) for r in here)
     if not batches:  # rows made without the runner's timings
         return f"Batch size {batch_size}"
     plural = "es" if batches > 1 else ""
-    return f"Batch size {batch_size} ({batches} batch{plural}, {batches * batch_size} prompts)"
+    loads = [r["other_load_cores"] for r in here if r.get("other_load_cores") is not None]  # reports before 2026-12-07
+    load = f", other load {max(loads):.2f} cores" if loads else ""
+    return f"Batch size {batch_size} ({batches} batch{plural}, {batches * batch_size} prompts{load})"
 
 
 def is_engine(run: dict) -> bool:
@@ -220,7 +224,9 @@ def notes() -> list[str]:
             f"tie with ar.",
             "FLOPs / plain: the run's FLOPs over what plain decoding spends on the same output, one token at a time "
             "without padding (ar itself reads above 1.00x where its batches pad ragged prompts). Useful FLOPs include "
-            "the draft's reads of kept tokens: useful above 1.00x is what the draft costs."]
+            "the draft's reads of kept tokens: useful above 1.00x is what the draft costs.",
+            f"Other load: the CPU cores other processes (and a VM's hypervisor) took while a batch size decoded; above "
+            f"{OtherLoad.busy_share:.0%} of the machine's cores (see hardware), its speeds are a busy machine's."]
 
 
 def title(meta: dict) -> str:

@@ -17,6 +17,7 @@ from specpolicy.decode import DecodeStats, Engine
 from specpolicy.errors import SpecPolicyError, check_count
 from specpolicy.eval.interval import ratio_interval
 from specpolicy.policy import DepthPolicy, OraclePolicy
+from specpolicy.runtime import OtherLoad
 
 log = logging.getLogger("specpolicy")
 
@@ -31,6 +32,7 @@ class BaselineRun:
     batch_size: int
     units: list[tuple[int, float, int]] = field(default_factory=list)  # (tokens, seconds, batch) per batch and pass
     outputs: list[list[int]] = field(default_factory=list)
+    other_load_cores: float | None = None  # CPU other processes took while it was timed (runtime.OtherLoad)
 
     def add(self, outputs: list[list[int]], seconds: float, batch: int, keep_outputs: bool) -> None:
         self.units.append((sum(map(len, outputs)), seconds, batch))
@@ -38,7 +40,7 @@ class BaselineRun:
             self.outputs.extend(outputs)
 
     def summary(self, ar_tokens_per_s: float | None) -> dict:
-        return _timing(self.policy, self.batch_size, self.units, ar_tokens_per_s)
+        return _timing(self, ar_tokens_per_s)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class PolicyRun:
     stats: list[DecodeStats] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)  # which batch each of `stats` decoded
     outputs: list[list[int]] = field(default_factory=list)
+    other_load_cores: float | None = None
 
     @property
     def units(self) -> list[tuple[int, float, int]]:
@@ -59,7 +62,7 @@ class PolicyRun:
         total = DecodeStats.total(self.stats)
         by_load = zip(total.depth_at_load.tolist(), total.steps_at_load.tolist())
         return {
-            **_timing(self.policy, self.batch_size, self.units, ar_tokens_per_s),
+            **_timing(self, ar_tokens_per_s),
             "acceptance_rate": total.acceptance_rate if total.drafted else None,  # undefined: nothing drafted
             "mean_accepted": total.mean_accepted,
             "mean_depth": total.mean_depth, "target_forwards": total.target_forwards,
@@ -75,13 +78,13 @@ class PolicyRun:
 Run = PolicyRun | BaselineRun
 
 
-def _timing(policy: str, batch_size: int, units: list[tuple[int, float, int]], ar_tokens_per_s: float | None
-            ) -> dict:
+def _timing(run: Run, ar_tokens_per_s: float | None) -> dict:
     """Totals and speedup of any decoder, with its per-unit timings kept for intervals (`eval.interval`)."""
-    tokens, wall = sum(u[0] for u in units), sum(u[1] for u in units)
+    tokens, wall = sum(u[0] for u in run.units), sum(u[1] for u in run.units)
     tps = tokens / wall if wall else 0.0
-    return {"policy": policy, "batch_size": batch_size, "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
-            "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None, "units": [list(u) for u in units]}
+    return {"policy": run.policy, "batch_size": run.batch_size, "tokens": tokens, "wall_s": wall, "tokens_per_s": tps,
+            "speedup": tps / ar_tokens_per_s if ar_tokens_per_s else None, "units": [list(u) for u in run.units],
+            "other_load_cores": run.other_load_cores}
 
 
 def side_by_side(
@@ -91,7 +94,9 @@ def side_by_side(
     """Decode `prompts` in batches of `batch_size` with every policy and baseline, `repeats` timed passes
     (outputs are kept from the first). A decoder that always ran first would take the machine's drifts alone
     (`ar`, first in every batch, once measured 8-16% slower than `disable_by_batch` doing its very work), so
-    the order rotates. Only full batches are decoded: a smaller last batch would be reported as this batch size."""
+    the order rotates. Only full batches are decoded: a smaller last batch would be reported as this batch size.
+    Each run records the CPU other processes took meanwhile (`runtime.OtherLoad`): rotation shares out a
+    neighbour's cost, so ratios survive it better than speeds, but a burst can still land on one decoder."""
     check_count("eval.repeats", repeats)
     if not isinstance(policies, dict) or not all(isinstance(p, DepthPolicy) for p in policies.values()):
         raise SpecPolicyError(f"policies must map names to DepthPolicy instances, e.g. {{'static_k2': "
@@ -108,11 +113,17 @@ def side_by_side(
     _decode_batch(engine, prompts[:batch_size], 0, decoders, _order(decoders, 0), fresh())
     runs = dict(sorted(fresh().items(), key=lambda item: item[0] != "ar"))  # reports list ar first
     starts = range(0, len(prompts), batch_size)
-    for rep in range(repeats):
-        for i, start in enumerate(tqdm(starts, desc=f"batch size {batch_size} ({len(runs)} decoders, pass {rep + 1}"
-                                                    f"/{repeats})", unit="batch")):
-            _decode_batch(engine, prompts[start : start + batch_size], i, decoders, _order(decoders, rep + i), runs,
-                          keep_outputs=rep == 0)
+    with OtherLoad() as load:
+        for rep in range(repeats):
+            for i, start in enumerate(tqdm(starts, desc=f"batch size {batch_size} ({len(runs)} decoders, pass "
+                                                        f"{rep + 1}/{repeats})", unit="batch")):
+                _decode_batch(engine, prompts[start : start + batch_size], i, decoders, _order(decoders, rep + i),
+                              runs, keep_outputs=rep == 0)
+    if load.busy:
+        log.warning("batch size %d: other processes took %s while it decoded: its timings are a busy machine's",
+                    batch_size, load)
+    for run in runs.values():
+        run.other_load_cores = round(load.cores, 3)
     return runs
 
 
