@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -71,8 +72,8 @@ def entry(task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
 
 class OutputFolder(Callback):
     """Hydra callback (conf/hydra/default.yaml): a run whose log folder lies under a file
-    (`paths.checkpoints_dir=notes.txt`) ended in a NotADirectoryError traceback from Hydra's mkdir, before any check
-    of ours could run; now one line, before Hydra makes the folder."""
+    (`paths.checkpoints_dir=notes.txt`) or where it cannot be made (`/proc/x`) ended in a traceback from Hydra's
+    mkdir, before any check of ours could run; now one line, from making the folder just before Hydra does."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_folder(config.hydra.run.dir)
@@ -82,10 +83,13 @@ class OutputFolder(Callback):
 
 
 def _check_folder(folder: str) -> None:
-    existing = _first_existing(Path(folder))
-    if not existing.is_dir():
-        print(f"error: {existing} is a file, and this run writes its outputs into folders under it ({folder}); point "
-              f"paths.checkpoints_dir at a folder", file=sys.stderr)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        existing = _first_existing(Path(folder))
+        why = (f"{existing} is a file, and this run writes its outputs into folders under it ({folder})"
+               if not existing.is_dir() else f"cannot make the run's folder {folder}: {err.strerror}")
+        print(f"error: {why}; point paths.checkpoints_dir at a folder you can write", file=sys.stderr)
         sys.exit(2)
 
 
@@ -312,14 +316,17 @@ def job_overrides() -> list[str] | None:
 
 def check_out_dir(setting: str, folder: str | Path) -> None:
     """A folder a run writes into at its end, checked before the work: a file on its path, or a folder this user
-    cannot write in, was found by the report's mkdir after all the decoding, as a traceback."""
+    cannot write in, was found by the report's mkdir after all the decoding, as a traceback. Writing is tried, not
+    asked of `os.access`, which says yes to root in /proc."""
     folder = Path(folder).expanduser()
     existing = _first_existing(folder)
     if not existing.is_dir():
         raise SpecPolicyError(f"{setting}={folder}: {existing} is a file; point {setting} at a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SpecPolicyError(f"{setting}={folder}: cannot write in {existing}; point {setting} at a folder you can "
-                              f"write in")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write-probe-"))
+    except OSError as err:
+        raise SpecPolicyError(f"{setting}={folder}: cannot write in {existing} ({err.strerror}); point {setting} at a "
+                              f"folder you can write in") from err
 
 
 def _first_existing(folder: Path) -> Path:

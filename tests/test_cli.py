@@ -195,12 +195,16 @@ def test_a_missing_pretrained_draft_names_the_key_of_the_script(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("script, mode", [("train.py", "RUN"), ("evaluate.py", "MULTIRUN")])
-def test_a_checkpoints_dir_that_is_a_file_is_one_line(script: str, mode: str, tmp_path: Path) -> None:
-    """Hydra makes the run's log folder under it before the task runs: it ended in a NotADirectoryError traceback."""
+def test_a_checkpoints_dir_that_cannot_hold_folders_is_one_line(script: str, mode: str, tmp_path: Path) -> None:
+    """Hydra makes the run's log folder under it before the task runs: it ended in a NotADirectoryError traceback
+    under a file, and in a FileNotFoundError one where no folder can be made."""
     notes = tmp_path / "notes.txt"
     notes.write_text("")
     proc = run(script, f"hydra.mode={mode}", "experiment=tiny", "debug=fast", tmp_path=notes)
     assert_clean_error(proc, f"error: {notes} is a file, and this run writes its outputs into folders under it")
+    if Path("/proc/self").is_dir():  # Linux: no one, root included, makes folders in /proc
+        proc = run(script, f"hydra.mode={mode}", "experiment=tiny", "debug=fast", tmp_path=Path("/proc/specpolicy"))
+        assert_clean_error(proc, "error: cannot make the run's folder /proc/specpolicy/")
     assert proc.returncode == 2
 
 

@@ -192,6 +192,10 @@ def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it
         cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"eval.out_dir={out_dir}"], tmp_path)
         with pytest.raises(SpecPolicyError, match=f"eval.out_dir={out_dir}: {afile} is a file; point eval.out_dir at"):
             evaluate(cfg)
+    if Path("/proc/self").is_dir():  # Linux: no one, root included, writes in /proc (os.access says root may)
+        cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", "eval.out_dir=/proc/report"], tmp_path)
+        with pytest.raises(SpecPolicyError, match="eval.out_dir=/proc/report: cannot write in /proc .*point eval"):
+            evaluate(cfg)
     for override, warning in [("data.split=train", "data.split=train decodes prompts the draft was distilled on"),
                               ("eval.policies.ar=null", "eval.policies has no `ar`: no speedups")]:
         cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", override, "eval.batch_sizes=[64]"], tmp_path)
