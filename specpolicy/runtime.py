@@ -97,10 +97,10 @@ class OtherLoad:
 
     @property
     def busy(self) -> bool:
-        return self.cores > self.busy_share * psutil.cpu_count()
+        return self.cores > self.busy_share * os.cpu_count()
 
     def __str__(self) -> str:
-        return f"{self.cores:.2f} of {psutil.cpu_count()} CPU cores"
+        return f"{self.cores:.2f} of {os.cpu_count()} CPU cores"
 
     @staticmethod
     def _clocks() -> tuple[float, float, float]:

@@ -226,7 +226,7 @@ def notes() -> list[str]:
             "without padding (ar itself reads above 1.00x where its batches pad ragged prompts). Useful FLOPs include "
             "the draft's reads of kept tokens: useful above 1.00x is what the draft costs.",
             f"Other load: the CPU cores other processes (and a VM's hypervisor) took while a batch size decoded; above "
-            f"{OtherLoad.busy_share:.0%} of the machine's cores (see hardware), its speeds are a busy machine's."]
+            f"{OtherLoad.busy_share:.0%} of the machine's CPU cores, its speeds are a busy machine's."]
 
 
 def title(meta: dict) -> str:
