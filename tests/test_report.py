@@ -432,9 +432,11 @@ def test_a_logger_without_tables_gets_the_speedups(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     logger = CSVLogger(str(tmp_path / "logs"), name="eval")
-    write_report(tmp_path / "report", meta(), synthetic_runs(), [], logger=logger)
+    runs = [{**r, "other_load_cores": 0.02} for r in synthetic_runs()]  # as side_by_side measures it
+    write_report(tmp_path / "report", meta(), runs, [], logger=logger)
     finish_run(logger)
-    assert "eval/speedup/oracle@4" in (Path(logger.log_dir) / "metrics.csv").read_text()
+    logged = (Path(logger.log_dir) / "metrics.csv").read_text()
+    assert "eval/speedup/oracle@4" in logged and "eval/other_load_cores@4" in logged
 
 
 def test_wandb_offline(tmp_path, monkeypatch):

@@ -425,4 +425,6 @@ def log_report(logger: Logger, runs: list[dict], plots: dict[str, Path]) -> None
         for name, path in plots.items():
             logger.log_image(key=f"eval/{name}", images=[str(path)])
     logger.log_metrics({f"eval/speedup/{r['policy']}@{r['batch_size']}": r["speedup"]
-                        for r in runs if r.get("speedup") is not None})
+                        for r in runs if r.get("speedup") is not None}
+                       | {f"eval/other_load_cores@{r['batch_size']}": r["other_load_cores"]  # to filter busy runs
+                          for r in runs if r.get("other_load_cores") is not None})
