@@ -7,7 +7,6 @@ rerun alone and is skipped when its output exists.
 from __future__ import annotations
 
 import logging
-import math
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -32,7 +31,7 @@ from specpolicy.eval.runner import Baseline, side_by_side, summarise
 from specpolicy.models import LoadedModel
 from specpolicy.policy import DepthPolicy, OraclePolicy
 from specpolicy.policy.goodput import DraftConfidence, GoodputPolicy, HeadEstimator
-from specpolicy.runtime import check_runtime, hardware
+from specpolicy.runtime import OtherLoad, check_runtime, hardware
 
 log = logging.getLogger("specpolicy")
 
@@ -240,12 +239,19 @@ def _warp(temperature: float, top_p: float) -> str:
 
 
 def _check_profiled_loads(policies: dict[str, DepthPolicy], batch_sizes: list[int]) -> None:
-    """The cost model clamps past its profile's largest row count: a [1, 4] grid priced 64 rows as 4, silently."""
+    """The cost model clamps past its profile's largest row count: a [1, 4] grid priced 64 rows as 4, silently. And
+    a profile is made once and reused: one timed beside another job was warned about only when it was made."""
     for name, policy in policies.items():
-        most = policy.cost.profile.rows[-1] if isinstance(policy, GoodputPolicy) else math.inf
-        if past := [bs for bs in batch_sizes if bs > most]:
+        if not isinstance(policy, GoodputPolicy):
+            continue
+        profile = policy.cost.profile
+        if past := [bs for bs in batch_sizes if bs > profile.rows[-1]]:
             log.warning("evaluate: eval.policies.%s prices batch sizes %s as %d rows, the most its latency profile "
-                        "timed (profile.rows); profile those loads for it to see them", name, past, most)
+                        "timed (profile.rows); profile those loads for it to see them", name, past, profile.rows[-1])
+        if profile.other_load_cores is not None and OtherLoad.too_busy(profile.other_load_cores):
+            log.warning("evaluate: eval.policies.%s prices its depths from a latency profile timed while other "
+                        "processes took %.2f CPU cores; profile again on an idle machine (delete the profile, "
+                        "stages=[profile])", name, profile.other_load_cores)
 
 
 def _policy_class(name: str, policy: DictConfig) -> type[DepthPolicy]:

@@ -97,7 +97,12 @@ class OtherLoad:
 
     @property
     def busy(self) -> bool:
-        return self.cores > self.busy_share * os.cpu_count()
+        return self.too_busy(self.cores)
+
+    @classmethod
+    def too_busy(cls, cores: float) -> bool:
+        """Whether `cores` taken by others, measured on this machine, make its timings a busy machine's."""
+        return cores > cls.busy_share * os.cpu_count()
 
     def __str__(self) -> str:
         return f"{self.cores:.2f} of {os.cpu_count()} CPU cores"

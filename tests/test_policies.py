@@ -468,7 +468,13 @@ def test_a_profile_file_can_be_named_and_loads_past_its_grid_are_named(tmp_path:
     with caplog.at_level("WARNING", logger="specpolicy"):
         _check_profiled_loads({"goodput": policy, "static": StaticPolicy(k=2)}, [1, 64, 128, 512])
     assert "eval.policies.goodput prices batch sizes [128, 512] as 64 rows" in caplog.text
-    assert "static" not in caplog.text
+    assert "static" not in caplog.text and "other processes" not in caplog.text
+    busy = synthetic.profile()
+    busy.other_load_cores = 1000.0  # timed beside other jobs: warned about when made, and again whenever reused
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        _check_profiled_loads({"learned": GoodputPolicy(busy)}, [1])
+    assert "eval.policies.learned prices its depths from a latency profile timed while other processes took " \
+           "1000.00 CPU cores" in caplog.text
 
 
 def test_timings_a_busy_machine_explains_are_flagged() -> None:
