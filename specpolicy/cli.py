@@ -89,7 +89,7 @@ def _check_folder(folder: str) -> None:
         existing = _first_existing(Path(folder))
         why = (f"{existing} is a file, and this run writes its outputs into folders under it ({folder})"
                if not existing.is_dir() else f"cannot make the run's folder {folder}: {err.strerror}")
-        print(f"error: {why}; point paths.checkpoints_dir at a folder you can write", file=sys.stderr)
+        print(f"error: {why}; point paths.checkpoints_dir at a folder you can write in", file=sys.stderr)
         sys.exit(2)
 
 
