@@ -19,7 +19,7 @@ from specpolicy.errors import SpecPolicyError
 from specpolicy.eval import report
 from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.interval import MIN_UNITS
-from specpolicy.eval.report import write_report
+from specpolicy.eval.report import batch_heading, write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
 from test_engine_sampling import chi_square_p
@@ -246,6 +246,8 @@ def test_report_from_real_runs(real, tmp_path):
     assert all(isinstance(cores, float) and cores >= 0 for cores in loads.values()), loads
     assert f"## Batch size 1 (4 batches, 4 prompts, other load {loads[1]:.2f} cores)" in md
     assert f"## Batch size 4 (1 batch, 4 prompts, other load {loads[4]:.2f} cores)" in md
+    older = [{k: v for k, v in r.items() if k != "other_load_cores"} for r in report["runs"]]  # before 2026-12-07
+    assert batch_heading(older, 1) == "Batch size 1 (4 batches, 4 prompts)"
 
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4
