@@ -104,7 +104,8 @@ def profile(cfg: DictConfig) -> None:
             log.info("profile: a drafting step costs %s ms beyond its forwards at %s rows",
                      [round(ms, 1) for ms in latency.draft_step_overhead_ms], list(p.rows))
     latency.other_load_cores = round(load.cores, 3)
-    if odd := [f"other processes took {load} while it timed"] * load.busy + latency.outliers():
+    busy = [f"other processes took {load} while it timed"] if load.busy else []
+    if odd := busy + latency.outliers():
         log.warning("profile: %s; was the machine busy? Delete %s and profile again on an idle machine, or the "
                     "load-aware policies price their depths from these", "; ".join(odd), out)
     record(out, made_with)  # first: an output without its record would be reused whatever made it
