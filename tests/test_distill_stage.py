@@ -225,19 +225,34 @@ def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_w
         check_distil(online)
 
 
-def test_a_saved_draft_with_a_vocabulary_is_not_distilled_half_narrowed(shared, tmp_path):
-    """A folder with draft_vocab.json loads with its subset head and without the full head: training it saved a
-    folder whose head was neither (with distill.draft_vocab set, it failed with an AttributeError)."""
+def test_a_saved_draft_with_a_vocabulary_distils_on_in_its_subset(shared, tmp_path):
+    """A folder with draft_vocab.json loads with its subset head: it distils on in that subset (writing its own
+    training responses as it drafts, with `source=draft`) and saves the full head with the same subset beside it.
+    It was refused: the user had to copy the folder without the file, and the copy wrote with the full head."""
+    from specpolicy.distill.stage import check_distil
     from specpolicy.models.loading import save_model
     from specpolicy.models.vocab import VOCAB_FILE, frequent_tokens, vocab_file_text
 
-    cfg = _cfg(shared, "again", "draft=pretrained", f"draft.source.path={tmp_path / 'd'}")
-    target = instantiate(cfg.target, dtype="float32").load()
+    target = instantiate(_cfg(shared, "again").target, dtype="float32").load()
     built = instantiate(_cfg(shared, "again", "draft.layers=[0,-1]").draft).build(target)
     vocab = frequent_tokens([], 64, target.model.config.vocab_size)
     save_model(tmp_path / "d", built.model, built.tokenizer, {VOCAB_FILE: vocab_file_text(vocab)})
-    with pytest.raises(SpecPolicyError, match="scores 64 tokens .*set distill.draft_vocab=64"):
-        distil(cfg)
+    saved = ("draft=pretrained", f"draft.source.path={tmp_path / 'd'}", "distill.data.source=draft")
+    cfg = _cfg(shared, "again", *saved, "distill.freeze_embeddings=true", "trainer.max_steps=2",
+               "trainer.val_check_interval=2")
+    rows = _data(cfg, target)._load()["train"]
+    assert all(set(ids[n:]) <= set(vocab.tolist()) for ids, n in zip(rows["input_ids"], rows["prompt_len"]))
+    distil(cfg)
+    m = _metrics(shared, "again")
+    assert m["draft_vocab"] == 64 and m["draft"].endswith("-vocab64") and m["steps"] == 2
+    folder = shared / "again" / "tiny" / "draft"
+    assert json.loads((folder / VOCAB_FILE).read_text())["token_ids"] == vocab.tolist()
+    draft = AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(draft.get_output_embeddings().weight, built.model.get_output_embeddings().weight)
+    with pytest.raises(SpecPolicyError, match=r"scores 64 tokens .* set distill.draft_vocab=64 or null, or point "):
+        check_distil(_cfg(shared, "again", *saved, "distill.freeze_embeddings=true", "distill.draft_vocab=32"))
+    with pytest.raises(SpecPolicyError, match=r"a draft with draft_vocab.json \(.*\) needs distill.freeze_embed"):
+        check_distil(_cfg(shared, "again", *saved))
 
 
 def test_distillation_trains_fp32_weights_whatever_the_runtime_dtype(shared):

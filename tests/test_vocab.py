@@ -42,7 +42,7 @@ def test_subset_head_scores_its_tokens_only_and_costs_only_their_rows(target):
     full_logits = draft(ids).logits
     flops_full = FlopModel.from_model(draft).per_token(0)
     vocab = torch.tensor([2, 5, 40, 41, 200])
-    full_head = use_subset_head(built, vocab)
+    use_subset_head(built, vocab)
     assert built.name.endswith("-vocab5")
     logits = draft(ids).logits
     assert logits.shape == full_logits.shape
@@ -51,7 +51,7 @@ def test_subset_head_scores_its_tokens_only_and_costs_only_their_rows(target):
     assert torch.isneginf(logits[..., outside]).all()
     hidden = draft.config.hidden_size
     assert flops_full - FlopModel.from_model(draft).per_token(0) == 2 * hidden * (full_logits.shape[-1] - len(vocab))
-    restore_full_head(draft, full_head)
+    restore_full_head(draft, built.full_head)
     torch.testing.assert_close(draft(ids).logits, full_logits)
 
 

@@ -42,7 +42,7 @@ from specpolicy.models.attention import ignored_window
 from specpolicy.models.compat import check_models
 from specpolicy.models.fusion import fuses_features, unwrap
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
-from specpolicy.models.vocab import draft_ids
+from specpolicy.models.vocab import draft_ids, logits_width
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
 from specpolicy.runtime import synchronize
@@ -137,7 +137,7 @@ class Engine:
                             "attends to the whole prefix, as its forward does, where transformers' generate crops its "
                             "cache to the window (set config.sliding_window = None for generate to agree)", role,
                             window, model.config.model_type)
-        self.vocab = target.get_output_embeddings().weight.shape[0]
+        self.vocab = logits_width(target)
         # reading each config's attention layers, these refuse those the engine's masks cannot express
         self.t_flops = FlopModel.from_model(target)
         self.d_flops = FlopModel.from_model(draft) if draft is not None else None

@@ -28,7 +28,7 @@ from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_promp
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
 from specpolicy.errors import SpecPolicyError, check_bool, check_count, check_int, check_number, check_trainer
 from specpolicy.models import LoadedModel
-from specpolicy.models.draft import describe_cost
+from specpolicy.models.draft import PretrainedDraft, describe_cost
 from specpolicy.models.fusion import fuses_features
 from specpolicy.models.loading import save_model
 from specpolicy.models.vocab import (
@@ -86,12 +86,6 @@ def check_distil(cfg: DictConfig) -> None:
     check_count("distill.batch_size", d.batch_size)
     check_count("distill.max_length", d.max_length)
     check_int("distill.unroll", d.unroll, 0)
-    if d.get("draft_vocab") is not None:  # its upper bound, the vocabulary, is checked once the target loads
-        check_count("distill.draft_vocab (or null for the full head)", d.draft_vocab)
-        if d.data.source == "draft" and d.target_probs != "cached":
-            raise SpecPolicyError("distill.draft_vocab with distill.data.source=draft ranks tokens by the target's "
-                                  "top-1 on the draft's responses, which only cached targets keep; set "
-                                  "distill.target_probs=cached, or distill.data.source=target")
     uniform = torch.full((1, 2), -math.log(2.0))
     try:
         instantiate(d.loss)(uniform, uniform)
@@ -112,8 +106,32 @@ def check_distil(cfg: DictConfig) -> None:
     instantiate(d.data)
     for synthesis in (d.get("synthetic") or {}).values():  # refuses its settings when built, before the target loads
         instantiate(synthesis)
-    instantiate(cfg.draft)  # a draft config refuses its own settings when built (no model loads yet)
+    _check_vocab(d, instantiate(cfg.draft))  # a draft config refuses its own settings when built (nothing loads)
     check_ckpt_path("distill.ckpt_path", d.ckpt_path, checkpoints_of(cfg.get("callbacks")))
+
+
+def _check_vocab(d: DictConfig, spec: object) -> None:
+    """A head over part of the vocabulary, ranked anew (`distill.draft_vocab`) or a saved draft's own (its
+    `draft_vocab.json`, which it distils on in), is a frozen copy of the full head's rows: the embedding and head
+    must stay frozen for the saved full head to match it. Checked before the responses are generated."""
+    size = d.get("draft_vocab")
+    if size is not None:  # its upper bound, the vocabulary, is checked once the target loads
+        check_count("distill.draft_vocab (or null for the full head)", size)
+    saved = spec.vocab if isinstance(spec, PretrainedDraft) else None
+    if saved is not None and size not in (None, len(saved)):
+        raise SpecPolicyError(f"the draft at {spec.source.path} scores {len(saved)} tokens ({VOCAB_FILE}) and distils "
+                              f"on in them; set distill.draft_vocab={len(saved)} or null, or point draft.source.path "
+                              f"at a copy of the folder without {VOCAB_FILE} to rank {size} anew")
+    if saved is None and size is None:
+        return
+    if not d.freeze_embeddings:
+        what = "distill.draft_vocab" if saved is None else f"a draft with {VOCAB_FILE} ({spec.source.path})"
+        raise SpecPolicyError(f"{what} needs distill.freeze_embeddings=true (the draft's embedding and head stay "
+                              f"fixed so the saved full head still matches the subset it trained with)")
+    if saved is None and d.data.source == "draft" and d.target_probs != "cached":
+        raise SpecPolicyError("distill.draft_vocab with distill.data.source=draft ranks tokens by the target's "
+                              "top-1 on the draft's responses, which only cached targets keep; set "
+                              "distill.target_probs=cached, or distill.data.source=target")
 
 
 def _check_splits(cfg: DictConfig) -> None:
@@ -146,18 +164,13 @@ def distil(cfg: DictConfig) -> None:
     target = load_target(cfg, "float32")  # fp32 master weights; trainer.precision sets compute
     check_fits(d, target)
     draft = build_draft(cfg.draft, target, "float32")
-    subset = subset_of(draft.model)
-    if subset is not None:  # a saved draft with its draft_vocab.json: the full head it would need is not loaded
-        raise SpecPolicyError(f"the draft at {cfg.draft.source.path} scores {len(subset)} tokens ({VOCAB_FILE}); to "
-                              f"distil it further, point draft.source.path at a copy of the folder without "
-                              f"{VOCAB_FILE} and set distill.draft_vocab={len(subset)} distill.freeze_embeddings=true")
     for setting, value in (("unroll", d.unroll), ("feature_loss", d.feature_loss)):
         if value and not fuses_features(draft.model):  # feature_loss was accepted and trained nothing
             raise SpecPolicyError(f"distill.{setting}={value} trains a draft that reads the target's features; set "
                                   f"draft_fuse_features=true, or distill.{setting}=0")
     groups = _prompt_groups(cfg, target)
     datamodule = _datamodule(cfg, target, draft, groups)
-    vocab, full_head = _narrow_head(d, target, draft, datamodule)
+    vocab = _narrow_head(d, target, draft, datamodule)
     model = _trainable(draft.model, d)
     module = DistillModule(model, target.model, loss=instantiate(d.loss), optimizer=instantiate(d.optimizer),
                            scheduler=instantiate(d.scheduler) if d.get("scheduler") else None,
@@ -186,7 +199,7 @@ def distil(cfg: DictConfig) -> None:
     # written with the folder, in one atomic save
     files = {"metrics.json": json.dumps(metrics, indent=2), TRAINED_ON: digests_text(trained_on)}
     if vocab is not None:  # a standard HF folder with the full head, and the subset beside it
-        restore_full_head(merged, full_head)
+        restore_full_head(merged, draft.full_head)
         files[VOCAB_FILE] = vocab_file_text(vocab)
     record(out, made_with)  # first: an output without its record would be reused whatever made it
     save_model(out, merged.eval(), target.tokenizer, files)
@@ -240,25 +253,23 @@ def check_fits(d: DictConfig, target: LoadedModel) -> None:
 
 
 def _narrow_head(d: DictConfig, target: LoadedModel, draft: LoadedModel, datamodule: DistillDataModule
-                 ) -> tuple[torch.Tensor | None, torch.nn.Module | None]:
-    """With `distill.draft_vocab` set, the draft scores only that many tokens, the ones the target writes most
-    often on the training rows (FR-Spec; `train_responses`); returns (their ids, the full head to restore), else
-    Nones."""
-    size = d.get("draft_vocab")
-    if size is None:
-        return None, None
+                 ) -> torch.Tensor | None:
+    """The tokens the draft's head scores while it trains (FR-Spec), or None for all: a saved draft's own subset
+    (applied when it loaded, so a draft that writes its training responses writes them as it will draft), or with
+    `distill.draft_vocab` set, that many tokens the target writes most often on the training rows
+    (`train_responses`)."""
+    vocab, size = subset_of(draft.model), d.get("draft_vocab")
+    if vocab is not None or size is None:
+        return vocab
     vocab_size = min(target.model.config.vocab_size, draft.model.config.vocab_size)  # ids the draft can score
     if not 0 < size <= vocab_size:
         raise SpecPolicyError(f"distill.draft_vocab={size} must be between 1 and the vocabulary size {vocab_size}, "
                               f"or null to keep the draft's full LM head")
-    if not d.freeze_embeddings:  # the subset head is a frozen copy of the full head's rows; both must stay as saved
-        raise SpecPolicyError("distill.draft_vocab needs distill.freeze_embeddings=true (the draft's embedding and "
-                              "head stay fixed so the saved full head still matches the subset it trained with)")
     always = [i for i in target.tokenizer.all_special_ids if i < vocab_size]  # EOS and chat-template tokens
     vocab = frequent_tokens(datamodule.train_responses(), size, vocab_size, always)
-    full_head = use_subset_head(draft, vocab)
+    use_subset_head(draft, vocab)
     draft.cost = describe_cost(target, draft)
-    return vocab, full_head
+    return vocab
 
 
 def _trainable(model: PreTrainedModel, d: DictConfig) -> torch.nn.Module:

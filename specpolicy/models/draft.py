@@ -163,12 +163,16 @@ class PretrainedDraft:
             raise SpecPolicyError(f"PretrainedDraft takes a model source, e.g. PretrainedDraft(PretrainedSource("
                                   f"path={self.source!r})), got {type(self.source).__name__}")
 
+    @property
+    def vocab(self) -> torch.Tensor | None:
+        """The tokens a distilled draft scores (its `draft_vocab.json`), or None: the whole vocabulary."""
+        return load_vocab(self.source.path)
+
     def build(self, target: LoadedModel) -> LoadedModel:
         check_loaded(target)
         draft = self.source.load()
         check_compatible(target, draft)
-        vocab = load_vocab(self.source.path)  # a distilled draft may score only part of the vocabulary
-        if vocab is not None:
+        if (vocab := self.vocab) is not None:
             use_subset_head(draft, vocab)
         draft.cost = describe_cost(target, draft)
         return draft

@@ -46,6 +46,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str
     cost: dict[str, float] | None = None  # a draft's per-token cost relative to its target, set when built
+    full_head: torch.nn.Module | None = None  # the LM head a subset head replaced (`models.vocab`), kept to be saved
 
     @property
     def context_length(self) -> int:

@@ -66,13 +66,12 @@ def frequent_tokens(responses: Iterable[list[int]], size: int, vocab_size: int,
     return torch.tensor(sorted(ranked[:size]), dtype=torch.long)
 
 
-def use_subset_head(draft: LoadedModel, token_ids: torch.Tensor) -> torch.nn.Module:
-    """Swap the draft's LM head for a `SubsetHead` and say so in its name; returns the full head, for
-    `restore_full_head`."""
-    full = draft.model.get_output_embeddings()
-    draft.model.set_output_embeddings(SubsetHead(full, token_ids))
+def use_subset_head(draft: LoadedModel, token_ids: torch.Tensor) -> None:
+    """Swap the draft's LM head for a `SubsetHead` and say so in its name; the full head stays in
+    `draft.full_head`, for `restore_full_head` (a tied head costs nothing to keep: it is the embedding)."""
+    draft.full_head = draft.model.get_output_embeddings()
+    draft.model.set_output_embeddings(SubsetHead(draft.full_head, token_ids))
     draft.name += f"-vocab{len(token_ids)}"
-    return full
 
 
 def restore_full_head(model: torch.nn.Module, full: torch.nn.Module) -> None:
@@ -109,6 +108,13 @@ def rescale(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
 def subset_of(model: torch.nn.Module) -> torch.Tensor | None:
     """The token ids a model's head scores, or None when it scores the whole vocabulary."""
     return scorer(model)[1]
+
+
+def logits_width(model: torch.nn.Module) -> int:
+    """Logits per position that the model's forward returns: its LM head's rows, or a `SubsetHead`'s whole
+    vocabulary (a subset draft decodes alone when it writes its own distillation data)."""
+    head = unwrap(model).get_output_embeddings()
+    return head.vocab_size if isinstance(head, SubsetHead) else head.weight.shape[0]
 
 
 def draft_ids(draft: torch.nn.Module, target_vocab: int) -> torch.Tensor | None:
