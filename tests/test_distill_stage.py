@@ -235,7 +235,8 @@ def test_a_saved_draft_with_a_vocabulary_distils_on_in_its_subset(shared, tmp_pa
 
     target = instantiate(_cfg(shared, "again").target, dtype="float32").load()
     built = instantiate(_cfg(shared, "again", "draft.layers=[0,-1]").draft).build(target)
-    vocab = frequent_tokens([], 64, target.model.config.vocab_size)
+    size = target.model.config.vocab_size  # a subset that is not a prefix of the ids: its order and ids differ
+    vocab = frequent_tokens([list(range(1, size, 3))], 64, size, target.tokenizer.all_special_ids)
     save_model(tmp_path / "d", built.model, built.tokenizer, {VOCAB_FILE: vocab_file_text(vocab)})
     saved = ("draft=pretrained", f"draft.source.path={tmp_path / 'd'}", "distill.data.source=draft")
     cfg = _cfg(shared, "again", *saved, "distill.freeze_embeddings=true", "trainer.max_steps=2",

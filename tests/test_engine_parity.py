@@ -25,6 +25,7 @@ from specpolicy.errors import SpecPolicyError
 from specpolicy.models import LoadedModel, RandomInitSource
 from specpolicy.models.attention import sliding_window
 from specpolicy.models.draft import LayerSubsetDraft
+from specpolicy.models.vocab import SubsetHead
 from specpolicy.policy import (
     ArPolicy,
     ConfidencePolicy,
@@ -166,6 +167,22 @@ def test_greedy_output_equals_transformers_generate(case: Case, policy: str, dra
     assert (sum(drafted) > 0) == (policy != "ar"), drafted
     if policy == "disable_by_batch":  # (everyone, eos, N): plain at 8 rows, drafting once a row has finished
         assert drafted[-2 if draft != "partial" else 2] > 0, drafted
+
+
+def test_a_subset_head_model_decodes_alone_as_generate(case: Case) -> None:
+    """A draft that scores part of the vocabulary (`SubsetHead`) writes its own distillation data as the engine's
+    only model: its scores come in the subset's order and must be mapped back to token ids (they were read as ids)."""
+    model = copy.deepcopy(case.drafts["partial"].model)
+    vocab = torch.arange(1, model.config.vocab_size, 3)  # not a prefix of the ids: order and id differ
+    model.set_output_embeddings(SubsetHead(model.get_output_embeddings(), vocab))
+    rows = [0, 1, 2]
+    result = Engine(model, max_new_tokens=N, eos_token_id=[]).generate([case.prompts[r] for r in rows], ArPolicy())
+    for r, out in zip(rows, result.outputs):
+        prompt = torch.tensor([case.prompts[r]], device=DEVICE)
+        expected = model.generate(prompt, max_new_tokens=N, do_sample=False, eos_token_id=[],
+                                  pad_token_id=case.target.tokenizer.pad_token_id)
+        assert out == expected[0, prompt.shape[1]:].tolist()
+        assert set(out) <= set(vocab.tolist())
 
 
 def test_early_eos_rows_stop_at_different_steps(case: Case) -> None:

@@ -42,7 +42,7 @@ from specpolicy.models.attention import ignored_window
 from specpolicy.models.compat import check_models
 from specpolicy.models.fusion import fuses_features, unwrap
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
-from specpolicy.models.vocab import draft_ids, logits_width
+from specpolicy.models.vocab import draft_ids, logits_width, subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
 from specpolicy.runtime import synchronize
@@ -146,6 +146,7 @@ class Engine:
         # (`models.vocab`): its argmax, features and distributions cover 8k scores, not 49k mostly -inf ones;
         # `_draft` maps ids back
         self.draft_ids = draft_ids(draft, self.vocab) if draft is not None else None
+        self.target_ids = subset_of(target)  # a subset draft decoding alone (writing its own distillation data)
 
     # ---------------------------------------------------------------- public
     @torch.inference_mode()
@@ -358,6 +359,9 @@ class Engine:
         logits, hidden = self._read(self.target, cache, rows, rows.t_len, width, keep, host["t_len"].max())
         self._store(rows, slice(None), rows.t_len, hidden)
         stats.target_forwards += 1
+        if self.target_ids is not None:  # scores in the subset's order: back to token ids, -inf elsewhere
+            logits = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf")).index_copy_(-1, self.target_ids,
+                                                                                                   logits)
         return logits
 
     def _read_alone(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, host: Host, seen: str,
