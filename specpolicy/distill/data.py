@@ -2,9 +2,10 @@
 
 Two sources (DistillSpec, Zhou et al. 2024, §4: on-policy data helps): `target` (self-distillation:
 the target's own responses) and `draft` (the draft generates, the target scores: data from the
-draft's own distribution, generated once with the initial draft). Either way the target scores every
-response in one teacher-forced pass, so a row holds the sequence plus, per response position, the
-target's top-k log-probs.
+draft's own distribution, generated once with the draft as the run starts). Either way the target scores
+every response in one teacher-forced pass, so a row holds the sequence plus, per response position, the
+target's top-k log-probs. An untrained draft writes gibberish (0.02 held-out agreement after 600 steps on
+SmolLM2-135M); a distilled one continued on its own responses gained 0.03 over more of the target's.
 
 A few hundred prompts are little data: a 4-layer draft of SmolLM2-135M distilled on 42k response tokens
 agrees with the target on 96% of its training positions and 31% of held-out ones, and held-out agreement
