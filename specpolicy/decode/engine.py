@@ -42,7 +42,7 @@ from specpolicy.models.attention import ignored_window
 from specpolicy.models.compat import check_models
 from specpolicy.models.fusion import fuses_features, unwrap
 from specpolicy.models.loading import LoadedModel, context_length, eos_ids
-from specpolicy.models.vocab import draft_ids, logits_width, subset_of
+from specpolicy.models.vocab import draft_ids, logits_width, spread, subset_of
 from specpolicy.policy.base import DepthPolicy, StepState
 from specpolicy.rollout.features import COLUMN, draft_features
 from specpolicy.runtime import synchronize
@@ -338,7 +338,7 @@ class Engine:
             return torch.stack(tokens, 1), None
         p = torch.stack(dists, 1)
         if self.draft_ids is not None:
-            p = p.new_zeros(*p.shape[:2], self.vocab).index_copy_(-1, self.draft_ids, p)
+            p = spread(p, self.draft_ids, self.vocab, 0.0)
         return torch.stack(tokens, 1), p
 
     def _no_drafts(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -360,8 +360,7 @@ class Engine:
         self._store(rows, slice(None), rows.t_len, hidden)
         stats.target_forwards += 1
         if self.target_ids is not None:  # scores in the subset's order: back to token ids, -inf elsewhere
-            logits = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf")).index_copy_(-1, self.target_ids,
-                                                                                                   logits)
+            logits = spread(logits, self.target_ids, self.vocab, float("-inf"))
         return logits
 
     def _read_alone(self, model: PreTrainedModel, cache: RaggedCache, rows: Rows, host: Host, seen: str,

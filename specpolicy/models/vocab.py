@@ -50,9 +50,13 @@ class SubsetHead(torch.nn.Module):
         return self.subset(hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = self.scores(hidden)
-        full = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.token_ids, scores)
+        return spread(self.scores(hidden), self.token_ids, self.vocab_size, float("-inf"))
+
+
+def spread(values: torch.Tensor, token_ids: torch.Tensor, vocab_size: int, fill: float) -> torch.Tensor:
+    """Values over a subset [..., n], in the order of its `token_ids`, laid out over the whole vocabulary
+    [..., vocab_size] with `fill` elsewhere (-inf for logits, 0 for probabilities)."""
+    return values.new_full((*values.shape[:-1], vocab_size), fill).index_copy_(-1, token_ids, values)
 
 
 def frequent_tokens(responses: Iterable[list[int]], size: int, vocab_size: int,
