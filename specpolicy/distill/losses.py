@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models.vocab import spread
 
 
 def log_probs(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -71,7 +72,6 @@ def dense_from_topk(topk_ids: Tensor, topk_logp: Tensor, vocab_size: int, vocab:
     width, cols = vocab_size, topk_ids.long()
     if vocab is not None:  # each token's column in the subset; a spare column `width`, dropped, if outside
         width = len(vocab)
-        column = torch.full((vocab_size,), width, dtype=torch.long, device=cols.device)
-        cols = column.index_copy_(0, vocab.to(cols.device), torch.arange(width, device=cols.device))[cols]
+        cols = spread(torch.arange(width, device=cols.device), vocab.to(cols.device), vocab_size, width)[cols]
     out = tail_logp.expand(n, width + 1).clone()  # [N, width + 1]
     return out.scatter_(-1, cols, topk_logp)[:, :width]
