@@ -157,8 +157,6 @@ def check_eval_settings(eval_cfg: DictConfig) -> None:
     check_counts("eval.batch_sizes", eval_cfg.batch_sizes)
     check_bool("eval.hf_baselines", eval_cfg.hf_baselines)
     check_out_dir("eval.out_dir", eval_cfg.out_dir)  # found only after decoding
-    if eval_cfg.policies.get("ar") is None:
-        log.warning("evaluate: eval.policies has no `ar`: no speedups, and no check that greedy outputs are lossless")
     check_count("eval.repeats", eval_cfg.repeats)
     if eval_cfg.num_prompts is not None:  # null: the whole split
         check_count("eval.num_prompts", eval_cfg.num_prompts)
@@ -167,10 +165,19 @@ def check_eval_settings(eval_cfg: DictConfig) -> None:
 
 
 def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
-    """The policies evaluate decodes with, from their configs, before any model loads: at a temperature above 0
+    """The policies evaluate decodes with, from their configs, before any model loads: those `eval.only` names (one
+    override where picking a few took a `=null` for each of the rest), all when it is null; at a temperature above 0
     the greedy-only ones (the oracle) are left out; an oracle needs `ar`; and something must decode. Each of
     these was found only after the models loaded and a warm-up ran, or as "write_report got no runs"."""
     policies = {name: policy for name, policy in cfg.eval.policies.items() if policy is not None}
+    if (only := cfg.eval.get("only")) is not None:
+        names = list(only) if OmegaConf.is_list(only) else [str(only)]
+        if unknown := [name for name in names if name not in policies]:
+            raise SpecPolicyError(f"eval.only names {unknown}, not among eval.policies ({', '.join(policies)}); "
+                                  f"pick from those, or add one (e.g. '+policy@eval.policies.NAME=static')")
+        policies = {name: policy for name, policy in policies.items() if name in names}  # in the rotation's order
+    if "ar" not in policies:
+        log.warning("evaluate: eval.policies has no `ar`: no speedups, and no check that greedy outputs are lossless")
     kinds = {name: _policy_class(name, policy) for name, policy in policies.items()}
     sampled = cfg.engine.temperature > 0
     if sampled and (greedy := [name for name, kind in kinds.items() if kind.greedy_only]):
@@ -179,7 +186,7 @@ def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
         policies = {name: policy for name, policy in policies.items() if name not in greedy}
     if (oracles := [name for name in policies if issubclass(kinds[name], OraclePolicy)]) and "ar" not in policies:
         raise SpecPolicyError(f"eval.policies {oracles} need the target's greedy outputs, which `ar` decodes: keep "
-                              f"eval.policies.ar")
+                              f"eval.policies.ar{' and name it in eval.only' if only is not None else ''}")
     if not policies and not cfg.eval.hf_baselines:  # transformers' baselines sample as the engine would
         left_out = " once the greedy-only ones are left out" if sampled else ""
         raise SpecPolicyError(f"evaluate has nothing to decode: eval.policies is empty{left_out} and "

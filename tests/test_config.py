@@ -22,7 +22,7 @@ from specpolicy.cli import bad_input
 from specpolicy.cost.profile import profile_file
 from specpolicy.data import TRAINED_ON, digests_text
 from specpolicy.errors import SpecPolicyError, fitting_batch_sizes
-from specpolicy.pipeline import check_held_out, evaluate, train
+from specpolicy.pipeline import check_held_out, eval_policies, evaluate, train
 
 # options with mandatory values (???) get one here; the gpu trainer is only built where there is a GPU
 REQUIRED = {("target", "pretrained"): ["target.path=org/model"], ("draft", "pretrained"): ["draft.source.path=org/m"]}
@@ -212,6 +212,8 @@ def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it
     (None, ["eval.policies.oracle._target_=specpolicy.policy.Nope"], "eval.policies.oracle: cannot import "
                                                                     "'specpolicy.policy.Nope' (Error loading"),
     (None, ["eval.policies.oracle._target_=pathlib.Path"], "eval.policies.oracle is not a depth policy"),
+    (None, ["eval.only=[ar,static_k9]"], "eval.only names ['static_k9'], not among eval.policies (ar, static_k1, "),
+    (None, ["eval.only=[oracle]"], "which `ar` decodes: keep eval.policies.ar and name it in eval.only"),
 ])
 def test_policies_that_cannot_make_a_report_are_refused_before_any_model_loads(keep, overrides, message, tmp_path,
                                                                                 monkeypatch) -> None:
@@ -224,6 +226,13 @@ def test_policies_that_cannot_make_a_report_are_refused_before_any_model_loads(k
     with pytest.raises(SpecPolicyError) as err:
         evaluate(cfg)
     assert message in bad_input(err.value) and "\n" not in bad_input(err.value)
+
+
+@pytest.mark.parametrize("only, chosen", [("[learned,ar]", ["ar", "learned"]), ("static_k2", ["static_k2"]),
+                                          ("null", None)])
+def test_eval_only_picks_policies_in_the_rotation_s_order(only, chosen, tmp_path) -> None:
+    cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", f"eval.only={only}"], tmp_path)
+    assert list(eval_policies(cfg)) == (chosen or [name for name, p in cfg.eval.policies.items() if p is not None])
 
 
 def test_evaluating_another_target_with_an_experiment_s_outputs_is_named(tmp_path, monkeypatch, caplog) -> None:
