@@ -292,6 +292,17 @@ def test_static_with_identical_draft_keeps_every_draft(case: Case) -> None:
     assert stats.mean_accepted == pytest.approx(N / steps)
 
 
+def test_the_target_itself_as_its_draft_keeps_every_draft(case: Case) -> None:
+    """One model object in both roles (a sanity run: acceptance must read 1.0) keeps two caches and two read
+    counters: the engine tells them apart by role, never by which model object reads."""
+    everyone = list(range(len(case.prompts)))
+    engine = Engine(case.target.model, case.target.model, max_new_tokens=N, eos_token_id=[case.eos],
+                    solo_above=SOLO, max_padding=0.0)
+    result = engine.generate([case.prompts[r] for r in everyone], StaticPolicy(k=3))
+    assert result.outputs == [case.reference(r, (case.eos,), N) for r in everyone]
+    assert result.stats.drafted > 0 and result.stats.acceptance_rate == 1.0
+
+
 def test_drafts_after_a_kept_eos_are_neither_kept_nor_rejected(case: Case) -> None:
     """An identical draft proposes the EOS the target writes, and drafts on past it; the row ends at the EOS, so
     the drafts after it are no evidence against the draft: acceptance stays 1 and tau counts no bonus token."""
