@@ -177,7 +177,8 @@ def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
                                   f"pick from those, or add one (e.g. '+policy@eval.policies.NAME=static')")
         policies = {name: policy for name, policy in policies.items() if name in names}  # in the rotation's order
     if "ar" not in policies:
-        log.warning("evaluate: eval.policies has no `ar`: no speedups, and no check that greedy outputs are lossless")
+        log.warning("evaluate: %s no `ar`: no speedups, and no check that greedy outputs are lossless",
+                    "eval.policies has" if only is None else "eval.only names")
     kinds = {name: _policy_class(name, policy) for name, policy in policies.items()}
     sampled = cfg.engine.temperature > 0
     if sampled and (greedy := [name for name, kind in kinds.items() if kind.greedy_only]):

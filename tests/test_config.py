@@ -197,7 +197,8 @@ def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it
         with pytest.raises(SpecPolicyError, match="eval.out_dir=/proc/report: cannot write in /proc .*point eval"):
             evaluate(cfg)
     for override, warning in [("data.split=train", "data.split=train decodes prompts the draft was distilled on"),
-                              ("eval.policies.ar=null", "eval.policies has no `ar`: no speedups")]:
+                              ("eval.policies.ar=null", "eval.policies has no `ar`: no speedups"),
+                              ("eval.only=[static_k1]", "eval.only names no `ar`: no speedups")]:
         cfg = compose_config("evaluate", ["experiment=tiny", "debug=fast", override, "eval.batch_sizes=[64]"], tmp_path)
         with caplog.at_level("WARNING", logger="specpolicy"), pytest.raises(SpecPolicyError):  # stop before decoding
             evaluate(cfg)
