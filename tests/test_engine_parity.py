@@ -294,7 +294,7 @@ def test_static_with_identical_draft_keeps_every_draft(case: Case) -> None:
 
 def test_the_target_itself_as_its_draft_keeps_every_draft(case: Case) -> None:
     """One model object in both roles (a sanity run: acceptance must read 1.0) keeps two caches and two read
-    counters: the engine tells them apart by role, never by which model object reads."""
+    counters: a solo read advances its role's counter, whichever object reads."""
     everyone = list(range(len(case.prompts)))
     engine = Engine(case.target.model, case.target.model, max_new_tokens=N, eos_token_id=[case.eos],
                     solo_above=SOLO, max_padding=0.0)

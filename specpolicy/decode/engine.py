@@ -370,7 +370,8 @@ class Engine:
         number of forwards. `seen` names the counter ("t_len" or "d_len") that advances, on device and host."""
         if rows.row_ids.numel() == 1:  # nothing to pad against
             return 0
-        done, flops = host[seen], self.t_flops if seen == "t_len" else self.d_flops
+        target = seen == "t_len"  # the role, not the object: one model may be both (the target as its own draft)
+        done, flops = host[seen], self.t_flops if target else self.d_flops
         behind = (host["length"] - done - 1).tolist()
         alone = [b for b, n in enumerate(behind) if n >= self.solo_above]
         if alone and 1 - sum(behind) / (len(behind) * max(behind)) <= self.max_padding:
@@ -378,12 +379,12 @@ class Engine:
         for b in alone:
             start, n = int(done[b]), behind[b]
             row = slice(b, b + 1)
-            feat = rows.feat[row, start : start + n] if model is self.draft and self.fuse else None
+            feat = rows.feat[row, start : start + n] if not target and self.fuse else None
             _, hidden = forward(model, cache, rows.seq[row, start : start + n], getattr(rows, seen)[row], start + n,
                                 rows.seq.new_zeros(1, 0), self.context - 1, rows=row, features=feat)
-            if model is self.target:
+            if target:
                 self._store(rows, row, getattr(rows, seen)[row], hidden)
-            stats.later(self._account_read, stats, flops, start, n, seen == "t_len")
+            stats.later(self._account_read, stats, flops, start, n, target)
             done[b] += n
             getattr(rows, seen)[b] += n
         return len(alone)
