@@ -15,7 +15,7 @@ import datasets
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specpolicy.atomic import (atomic_path, identity, made_for, read_record, record, record_path, same_settings,
@@ -23,7 +23,7 @@ from specpolicy.atomic import (atomic_path, identity, made_for, read_record, rec
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
 from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
 from specpolicy.cost.profile import check_grid, measure, profile_file
-from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, without
+from specpolicy.data import TRAINED_ON, digests_text, encode_prompts, fitting, trained_on, without
 from specpolicy.decode.engine import check_settings
 from specpolicy.errors import (
     SpecPolicyError,
@@ -167,8 +167,8 @@ def collect(cfg: DictConfig) -> None:
     """Decode training prompts at a fixed maximum depth for each batch size; one shard per batch size,
     so an interrupted collection resumes at the next missing shard.
 
-    The prompts are those after the first `distill.data.train_prompts`, which the draft was distilled on:
-    there it is at its most confident and most often right, and a head trained on that would expect more
+    The prompts are train prompts the draft was not distilled on (`_unseen_by_draft`): on its own
+    it is at its most confident and most often right, and a head trained on that would expect more
     than the draft delivers on new prompts."""
     out = Path(cfg.paths.rollouts_dir)
     made_with = collect_settings(cfg)
@@ -222,16 +222,26 @@ def _prompts_for(batch_size: int, min_prompts: int) -> int:
 
 
 def _unseen_by_draft(cfg: DictConfig, conversations: list) -> list:
-    seen = cfg.distill.data.train_prompts
+    """`conversations` without those the draft was distilled on: by content where its folder lists them
+    (`TRAINED_ON`: right for a draft made elsewhere, or with another `distill.data.train_prompts`, where skipping
+    the first `train_prompts` rows left every rollout prompt a distillation prompt), else by that count."""
+    folder = OmegaConf.select(cfg, "trained_draft.source.path")
+    if folder and (Path(folder).expanduser() / TRAINED_ON).is_file():
+        seen = set(trained_on(folder, conversations))
+        unseen, what = [c for i, c in enumerate(conversations) if i not in seen], f"{len(seen)} that {folder} lists"
+    else:
+        count = cfg.distill.data.train_prompts
+        unseen = conversations[count:] if count is not None else []
+        what = count if count is not None else "all"
     # batch sizes past every prompt there is are left out anyway (`fitting_batch_sizes`): one of 512 made every
     # batch size decode distillation prompts, with 442 unseen ones to spare
     fit = [bs for bs in cfg.collect.batch_sizes if bs <= len(conversations)] or [1]
     needed = max(_prompts_for(bs, cfg.collect.min_prompts_per_size) for bs in fit)
-    if seen is not None and len(conversations) - seen >= needed:
-        return conversations[seen:]
+    if len(unseen) >= needed:
+        return unseen
     log.warning("collect: fewer than %d train prompts are left after the %s the draft was distilled on; the "
                 "rollouts reuse distillation prompts, where the draft is more often right than on new ones "
-                "(lower distill.data.train_prompts to keep some apart)", needed, seen if seen is not None else "all")
+                "(lower distill.data.train_prompts to keep some apart)", needed, what)
     return conversations
 
 

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 from omegaconf import OmegaConf
 
 from specpolicy.atomic import record, record_path
-from specpolicy.data import TRAINED_ON, PromptSource, trained_on
+from specpolicy.data import TRAINED_ON, PromptSource, digests_text, trained_on
 from specpolicy.errors import SpecPolicyError
 from specpolicy.stages import _not_evaluated, _unseen_by_draft
 
@@ -32,6 +32,18 @@ def test_collect_reuses_distillation_prompts_with_a_warning_when_too_few_are_lef
         assert _unseen_by_draft(_cfg(7), list(range(10))) == list(range(10))
         assert _unseen_by_draft(_cfg(None), list(range(10))) == list(range(10))
     assert caplog.text.count("the rollouts reuse distillation prompts") == 2
+
+
+def test_collect_skips_what_the_draft_s_folder_lists_whatever_the_count_says(tmp_path, caplog):
+    """A draft made elsewhere, or distilled with another distill.data.train_prompts: its folder's list decides (the
+    count skipped the first 6 rows here, and the rollouts came from the 4 prompts the draft had trained on)."""
+    (tmp_path / TRAINED_ON).write_text(digests_text([6, 7, 8, 9]))
+    cfg = OmegaConf.merge(_cfg(6), {"trained_draft": {"source": {"path": str(tmp_path)}}})
+    assert _unseen_by_draft(cfg, list(range(10))) == [0, 1, 2, 3, 4, 5]
+    (tmp_path / TRAINED_ON).write_text(digests_text(list(range(3, 10))))
+    with caplog.at_level(logging.WARNING, logger="specpolicy"):
+        assert _unseen_by_draft(cfg, list(range(10))) == list(range(10))  # 3 left: too few for batches of 4
+    assert f"after the 7 that {tmp_path} lists" in caplog.text
 
 
 def test_collect_counts_whole_batches_when_it_picks_its_prompts():
