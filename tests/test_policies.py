@@ -594,8 +594,9 @@ def test_a_prompt_keeps_its_group_at_every_batch_size(tiny_model) -> None:
     assert per_size[1] == per_size[2] and all(n > 0 for n, _ in per_size[1])  # greedy: the same sequence at both
 
 
-def test_head_learns_acceptance_from_confidence() -> None:
-    """On rollouts where acceptance follows top1, the trained head ranks confident positions higher."""
+def test_head_learns_acceptance_from_confidence(tmp_path: Path) -> None:
+    """On rollouts where acceptance follows top1, the trained head ranks confident positions higher; its Lightning
+    checkpoint loads back as the module (the config was saved as a dict, which the module could not read)."""
     g = torch.Generator().manual_seed(0)
     n = 4000
     features = torch.rand(n, len(FEATURE_NAMES), generator=g)
@@ -613,6 +614,9 @@ def test_head_learns_acceptance_from_confidence() -> None:
     probe[:, COLUMN["top1"]] = torch.tensor([0.1, 0.9])
     p = torch.sigmoid(module.head(probe))
     assert p[1] > p[0] + 0.3
+    trainer.save_checkpoint(tmp_path / "head.ckpt")
+    loaded = HeadModule.load_from_checkpoint(tmp_path / "head.ckpt")
+    assert loaded.head.config == module.head.config and torch.equal(loaded.head(probe), module.head(probe))
 
 
 def test_load_aware_policies_draft_no_deeper_than_their_profile_and_head_know(tmp_path, caplog) -> None:

@@ -36,6 +36,11 @@ class HeadConfig:
         if self.positions is not None:
             check_count("the head's positions (the deepest draft position of its rollouts)", self.positions)
 
+    @classmethod
+    def from_dict(cls, values: dict) -> HeadConfig:
+        """A config saved as plain values: the head's config.json, a head checkpoint's hyperparameters."""
+        return cls(**{**values, "features": tuple(values["features"])})
+
 
 class DepthHead(nn.Module):
     def __init__(self, config: HeadConfig):
@@ -72,7 +77,7 @@ class DepthHead(nn.Module):
                                   f"(python scripts/train.py experiment=... stages=[head])")
         try:  # written whole by `save`: a failure here is a damaged or hand-edited folder
             config = json.loads((directory / "config.json").read_text())
-            head = cls(HeadConfig(**{**config, "features": tuple(config["features"])}))
+            head = cls(HeadConfig.from_dict(config))
             head.load_state_dict(torch.load(directory / "head.pt", map_location="cpu"))
         except (OSError, EOFError, ValueError, TypeError, KeyError, RuntimeError, pickle.UnpicklingError,
                 SpecPolicyError) as err:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -12,9 +14,12 @@ from specpolicy.policy.head import DepthHead, HeadConfig
 class HeadModule(L.LightningModule):
     """Binary cross-entropy on P(accept position i | accepted 1..i-1); one step function for train/val."""
 
-    def __init__(self, config: HeadConfig, lr: float = 3e-3):
+    def __init__(self, config: HeadConfig | dict, lr: float = 3e-3):
+        """`config` as a dict: what `load_from_checkpoint` passes back from the saved hyperparameters."""
         super().__init__()
-        self.save_hyperparameters({"config": vars(config), "lr": lr})
+        if isinstance(config, dict):
+            config = HeadConfig.from_dict(config)
+        self.save_hyperparameters({"config": asdict(config), "lr": lr})
         self.head = DepthHead(config)
         self.lr = lr
 
