@@ -120,7 +120,7 @@ def _decoders(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: Loade
     assisted = {f"hf_assisted_k{k}": k for k in cfg.bench.ks}
     return {bs: ({"ar": ArPolicy()} | ({f"static_k{k}": StaticPolicy(k=k) for k in cfg.bench.ks} if bs == 1 else {}),
                  hf_decoders(target.model, draft.model, bs, engine.max_new_tokens, target.tokenizer.pad_token_id,
-                             assisted))
+                             engine.eos.tolist(), assisted))
             for bs in sorted({1, *batch_sizes})}
 
 

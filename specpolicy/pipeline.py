@@ -293,4 +293,4 @@ def hf_baselines(cfg: DictConfig, engine: Engine, target: LoadedModel, draft: Lo
     if not cfg.eval.hf_baselines:
         return {}
     return hf_decoders(target.model, draft.model, bs, engine.max_new_tokens, target.tokenizer.pad_token_id,
-                       {"hf_assisted": cfg.eval.hf_assisted_k}, engine.temperature, engine.top_p)
+                       engine.eos.tolist(), {"hf_assisted": cfg.eval.hf_assisted_k}, engine.temperature, engine.top_p)

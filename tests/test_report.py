@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from specpolicy.cli import finish_run
 from specpolicy.decode import DecodeStats, Engine, sampling
@@ -21,6 +22,8 @@ from specpolicy.eval.hf_baselines import hf_assisted, hf_generate
 from specpolicy.eval.interval import MIN_UNITS
 from specpolicy.eval.report import batch_heading, write_report
 from specpolicy.eval.runner import _order, side_by_side, summarise
+from specpolicy.models.loading import eos_ids
+from specpolicy.pipeline import hf_baselines
 from specpolicy.policy import ArPolicy, ConfidencePolicy, OraclePolicy, StaticPolicy
 from test_engine_sampling import chi_square_p
 
@@ -349,6 +352,20 @@ def test_transformers_baselines_ignore_the_models_own_generation_settings(tiny_m
         assert target.generation_config.repetition_penalty == 1.5  # given back as it was
     finally:
         target.generation_config = saved
+
+
+def test_transformers_baselines_stop_where_the_engine_stops(tiny_model) -> None:
+    """`engine.eos_token_id` sets an end token the model's generation_config does not have (a chat model's
+    end-of-turn): the baselines read the model's and wrote on past it, so they decoded other outputs than `ar`."""
+    target, draft = tiny_model(), tiny_model(seed=1)
+    prompts = [[3, 4, 5, 6]]
+    stop = Engine(target.model, max_new_tokens=8, eos_token_id=[]).generate(prompts, ArPolicy()).outputs[0][2]
+    engine = Engine(target.model, draft.model, max_new_tokens=8, eos_token_id=[stop])
+    expected = engine.generate(prompts, ArPolicy()).outputs
+    assert stop not in eos_ids(target.model.generation_config.eos_token_id) and len(expected[0]) <= 3
+    cfg = OmegaConf.create({"eval": {"hf_baselines": True, "hf_assisted_k": 2}})
+    for name, decode in hf_baselines(cfg, engine, target, draft, 1).items():
+        assert decode(prompts)[0] == expected, name
 
 
 def test_hf_generate_samples_as_the_engine_does(tiny_model) -> None:

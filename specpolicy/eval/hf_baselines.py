@@ -20,11 +20,13 @@ from specpolicy.runtime import synchronize
 
 
 def hf_decoders(target: PreTrainedModel, draft: PreTrainedModel, batch_size: int, max_new_tokens: int,
-                pad_id: int | None, assisted: dict[str, int], temperature: float = 0.0,
+                pad_id: int | None, eos: list[int], assisted: dict[str, int], temperature: float = 0.0,
                 top_p: float = 1.0) -> dict[str, Baseline]:
     """transformers' decoders for one batch size, as `eval.runner.side_by_side` takes them: `generate`, and at batch
-    1 assisted generation under each name in `assisted` at its k (where the pair allows it: `unassistable`)."""
-    eos, warp = target.generation_config.eos_token_id, {"temperature": temperature, "top_p": top_p}
+    1 assisted generation under each name in `assisted` at its k (where the pair allows it: `unassistable`). `eos`:
+    the engine's end tokens (`Engine.eos`), which `engine.eos_token_id` may set apart from the model's: read from
+    its generation_config, transformers' decoders wrote on past an EOS the engine stopped at."""
+    warp = {"temperature": temperature, "top_p": top_p}
     decoders = {"hf_generate": partial(hf_generate, target, max_new_tokens=max_new_tokens, pad_id=pad_id, eos_id=eos,
                                        **warp)}
     if batch_size == 1 and not unassistable(target, draft):
