@@ -327,6 +327,35 @@ def test_the_budget_ends_where_the_rows_do() -> None:
     assert bool(policy.keep(features, torch.zeros(1, dtype=torch.long), state, 1))
 
 
+def test_a_row_on_its_last_token_does_not_decide_for_the_rows_that_draft() -> None:
+    """The engine drafts nothing for a row with one token left: its confidence (high or low) must neither make the
+    batch draft nor stop it."""
+    generated = torch.tensor([23, 4])  # of 24: row 0 finishes with this step's bonus token
+
+    def step(top1_of_the_finishing_row: float) -> tuple[int, bool]:
+        policy = GoodputPolicy(synthetic.profile(), k=4, prior=0.9, optimism=0.0, wait_for_slowest=False)
+        policy.reset(2)
+        state = StepState(torch.arange(2), generated, 2, 128, 24 - int(generated.min()))
+        depth = int(policy.budget(state).max())
+        features = torch.zeros(2, len(FEATURE_NAMES))
+        features[:, COLUMN["top1"]] = torch.tensor([top1_of_the_finishing_row, 0.05])
+        return depth, bool(policy.keep(features, torch.zeros(2, dtype=torch.long), state, 1).all())
+
+    assert step(1.0) == step(0.05) == (4, False)
+
+    def budget(generated: list[int]) -> int:  # row 0 accepted every draft so far, row 1 none
+        policy = GoodputPolicy(synthetic.profile(), k=4, prior=0.3, optimism=0.0, wait_for_slowest=False,
+                               strength=1.0)
+        policy.reset(2)
+        for _ in range(3):
+            state = StepState(torch.arange(2), torch.tensor([10, 4]), 2, 128, 20)
+            policy.budget(state)
+            policy.observe(state, torch.tensor([4, 4]), torch.tensor([4, 0]))
+        return int(policy.budget(StepState(torch.arange(2), torch.tensor(generated), 2, 128, 20)).max())
+
+    assert budget([12, 4]) == 4 and budget([23, 4]) == 0  # the confident row's last step: the other's to decide
+
+
 def test_a_row_that_would_not_draft_checks_with_one_token_only() -> None:
     """A row whose estimate (prior 0.3; batch 1 breaks even at ~0.36) says "do not draft" may still check, where
     an optimistic bound on it pays: with one token, whatever depth that bound would choose, since one token buys

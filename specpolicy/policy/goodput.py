@@ -156,6 +156,7 @@ class GoodputPolicy(DepthPolicy):
         self._moments, self._reach = np.zeros((2, 0)), np.zeros(0)
         self._accepted = self._verified = np.zeros(0)  # per-row evidence, on the host: a few rows, every step
         self._depth = 0  # this step's budget: keeping a token short of it commits to one more draft forward
+        self._limit = np.zeros(0)  # per row, the most tokens it may draft this step (the engine cuts it there)
 
     def _cap_depth(self, profile: LatencyProfile, positions: int | None) -> None:
         """No deeper than its inputs know: past the profile's widest verify pass the cost model would price
@@ -178,7 +179,11 @@ class GoodputPolicy(DepthPolicy):
         self._accepted[rows] *= self.memory
         self._verified[rows] *= self.memory
         cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
-        if state.remaining is not None:  # the engine drafts no further than the longest row's last token
+        self._limit = np.full(len(rows), cap)
+        if state.remaining is not None:  # the engine drafts no further than a row's last token: a row about to
+            # finish drafts less than the rest, and its confidence must not choose their depth
+            generated = state.generated.cpu().numpy()
+            self._limit = np.minimum(cap, state.remaining - 1 - (generated - generated.min()))
             cap = min(cap, state.remaining - 1)
         depth = 0
         if cap:
@@ -194,7 +199,8 @@ class GoodputPolicy(DepthPolicy):
     def _best_depth(self, alpha: np.ndarray, state: StepState, cap: int) -> int:
         """The depth <= cap that maximises the batch's goodput when row r accepts each draft with alpha[r]."""
         j = np.arange(cap + 1)
-        reach = alpha[:, None] ** j  # P(a row keeps more than j tokens): the bonus, then each draft accepted
+        # P(a row keeps more than j tokens): the bonus, then each draft accepted, none past the row's limit
+        reach = alpha[:, None] ** j * (j <= self._limit[:, None])
         first, second = reach.cumsum(-1), (reach * (2 * j + 1)).cumsum(-1)  # E[kept], E[kept^2] at depth 0..cap
         tokens = self._tokens(first, second, state)
         times = self.cost.step_times(state.rows, cap)
@@ -221,7 +227,7 @@ class GoodputPolicy(DepthPolicy):
         accept = self.estimator(features).cpu().numpy()  # the one device-to-host copy; the rest is a few numbers
         if position == 1:  # per row, E[kept] and E[kept^2] of this step so far: the bonus token
             self._moments, self._reach = np.ones((2, len(accept))), np.ones(len(accept))
-        self._reach = self._reach * accept  # P(drafts 1..position all accepted), per row
+        self._reach = self._reach * accept * (position <= self._limit)  # P(drafts 1..position all kept), per row
         draft = self.cost.draft_ms(state.rows)
         paid = position * draft  # the forwards behind x_1..x_i: spent, whatever is decided now
         stop = paid + self.cost.forward_ms("target", state.rows, position)
