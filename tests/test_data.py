@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from tokenizers import processors
 
 from specpolicy.data import PromptSource, encode_prompts, fitting
 from specpolicy.data.prompts import EMBEDDED
@@ -107,6 +108,17 @@ def test_chat_messages_and_template(tmp_path: Path) -> None:
     assert tok.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                                "<|im_start|>assistant\n")
 
+
+
+def test_a_tokenizer_without_a_template_reads_the_turns_with_its_own_special_tokens() -> None:
+    """A base Llama's tokenizer has no chat template and starts every text with BOS, which a template writes into
+    the text it renders: without one, the prompts went to the model without the BOS it was trained with."""
+    tok = byte_tokenizer()
+    tok.chat_template = None
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                                  special_tokens=[("<|im_start|>", tok.bos_token_id)])
+    [ids] = encode_prompts(tok, [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]], 64)
+    assert tok.decode(ids) == "<|im_start|>Be brief.\n\nHi"
 
 @pytest.mark.parametrize(
     "content,message",

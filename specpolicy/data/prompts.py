@@ -3,7 +3,8 @@
 Every source goes through `datasets.load_dataset`, so JSONL, JSON, Parquet, CSV and text files and hub
 datasets behave alike. A row holds either a prompt string (in the column `prompt_field` names; a text
 file's lines) or a chat: a `messages` list of role/content turns, or ShareGPT's `conversations` list of
-from/value turns. Chat templates are applied by the tokenizer in `encode_prompts`, never by hand.
+from/value turns. Chat templates are applied by the tokenizer in `encode_prompts`, never by hand; a tokenizer
+without one (a base model's) reads the turns' text joined by blank lines.
 """
 
 from __future__ import annotations
@@ -266,9 +267,10 @@ def encode_prompts(
             except jinja2.TemplateError as err:
                 raise SpecPolicyError(f"prompt {i}: the target's chat template refuses it ({err}); fix its messages "
                                       f"(roles, order) in the prompts file") from err
-        else:
+        else:  # a base model's tokenizer: the turns' text, with the special tokens it adds itself (a Llama's BOS,
+            # which a template writes into its text)
             text = "\n\n".join(m["content"] for m in conversation)
-        encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        encoded.append(tokenizer(text, add_special_tokens=not tokenizer.chat_template)["input_ids"])
     over = [(i, len(ids)) for i, ids in enumerate(encoded) if len(ids) + reserve > context_length]
     if len(over) == 1:
         [(i, n)] = over
