@@ -255,6 +255,34 @@ def test_a_loosely_typed_policy_decodes_as_generate(case: Case) -> None:
     assert result.outputs == [case.reference(r, NO_EOS, N) for r in everyone] and result.stats.drafted > 0
 
 
+
+class StopsOnce(DepthPolicy):
+    """Stops odd rows at x_1 and has no opinion after (None), or says "go on" (all true): the same decisions."""
+
+    max_depth = 3
+
+    def __init__(self, explicit: bool):
+        self.explicit = explicit
+
+    def budget(self, state: StepState) -> torch.Tensor:
+        return torch.where(state.row_ids % 2 == 0, 2, 3)
+
+    def keep(self, features, tokens, state: StepState, position: int) -> torch.Tensor | None:
+        if position == 1:
+            return state.row_ids % 2 == 0
+        return torch.ones_like(state.row_ids, dtype=torch.bool) if self.explicit else None
+
+
+def test_a_keep_with_no_opinion_after_stopping_rows_drafts_no_further(case: Case) -> None:
+    """After `keep` stopped the deepest rows, a later None skipped the check of who still drafts: the draft read a
+    token for no row and the target verified a column nobody sent."""
+    everyone = list(range(len(case.prompts)))
+    mixed, explicit = (case.run(StopsOnce(explicit), "partial", everyone, NO_EOS, N) for explicit in (False, True))
+    assert mixed.outputs == explicit.outputs == [case.reference(r, NO_EOS, N) for r in everyone]
+    assert mixed.stats.draft_forwards == explicit.stats.draft_forwards
+    assert mixed.stats.flops.tolist() == explicit.stats.flops.tolist()
+
+
 # ---------------------------------------------------------------- stats
 
 

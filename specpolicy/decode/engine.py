@@ -285,6 +285,8 @@ class Engine:
         logits, own = self._catch_up(rows, host, cache, stats)
         tokens, dists = [], []
         drafting = budget > 0
+        stopped = False  # whether `keep` stopped rows this step: then who still drafts must be asked, even at a
+        # position where it answers None (no decision: the rows drafting go on)
         n_draft, cum = torch.zeros_like(budget), torch.ones_like(logits[:, 0])
         for i in range(1, depth + 1):
             x_i, p_i = sampling.propose(logits, self.temperature, self.top_p, rows.seeds, rows.generated + i - 1)
@@ -301,12 +303,13 @@ class Engine:
             drafting &= budget >= i
             if keep is not None:
                 drafting &= torch.as_tensor(keep, device=self.device).bool()  # 0/1 longs failed in the &=
-                if not bool(drafting.any()):
-                    break  # no row keeps x_i: the target does not verify it
+                stopped = True
+            if stopped and not bool(drafting.any()):
+                break  # no row keeps x_i: the target does not verify it
             n_draft += drafting
             tokens.append(x_i)
             dists.append(p_i)
-            if i == depth or (keep is not None and not bool((drafting & (budget > i)).any())):
+            if i == depth or (stopped and not bool((drafting & (budget > i)).any())):
                 break  # no row drafts x_{i+1}: the draft need not read x_i
             logits, own = self._read(self.draft, cache, rows, rows.length + i - 1, 1, torch.zeros_like(x_i)[:, None],
                                      host["length"].max() + i - 1, token=x_i, feat=own)

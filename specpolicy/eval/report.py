@@ -223,9 +223,9 @@ def notes() -> list[str]:
             f"eval.repeats do not, as they decode the same batches again). A speedup whose interval holds 1.00x is a "
             f"tie with ar.",
             "FLOPs / plain: the run's FLOPs over what plain decoding spends on the same output, one token at a time "
-            "without padding (ar itself reads above 1.00x: a prompt read in one pass scores keys its causal mask hides, "
-            "and a batch pads ragged prompts). Useful FLOPs include the draft's reads of kept tokens: useful above "
-            "1.00x is what the draft costs.",
+            "without padding (ar itself reads above 1.00x: a prompt read in one pass scores keys its causal mask "
+            "hides, and a batch pads ragged prompts). Useful FLOPs include the draft's reads of kept tokens: useful "
+            "above 1.00x is what the draft costs.",
             f"Other load: the CPU cores other processes (and a VM's hypervisor) took while a batch size decoded; above "
             f"{OtherLoad.busy_share:.0%} of the machine's CPU cores, its speeds are a busy machine's."]
 
