@@ -355,7 +355,7 @@ def test_a_kept_eos_ends_the_evidence_where_the_row_ends(tiny_model) -> None:
     engine, policy = Engine(tiny_model().model), Heard()
     state = StepState(torch.arange(1, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE), 1, 3)
     three, two = (torch.tensor([n], device=DEVICE) for n in (3, 2))
-    engine._observe(policy, state, True, DecodeStats(max_depth=3, batch_size=1), three, three, two, two)
+    engine._observe(policy, state, True, DecodeStats(max_depth=3, batch_size=1), three, three, two, two, two == 2)
     assert policy.heard == ([2], [2])
 
 

@@ -72,8 +72,9 @@ class Rows:
             setattr(self, f.name, getattr(self, f.name)[keep])
 
     def host(self) -> Host:
-        """One device-to-host copy of the small per-row counters the next step sizes its tensors with."""
-        names = ("length", "t_len", "d_len", "generated")
+        """One device-to-host copy of the small per-row counters the next step sizes its tensors with (and those
+        that retiring rows need)."""
+        names = ("length", "t_len", "d_len", "generated", "prompt_len", "row_ids")
         values = torch.stack([getattr(self, n) for n in names]).cpu()
         return dict(zip(names, values))
 
@@ -243,9 +244,9 @@ class Engine:
                                        self.top_p)
         finished, n_new = self._commit(rows, drafts, n_acc, token, n_draft, fed)
         new_host = rows.host()  # the next step's sizes; a policy that copies its evidence to the host waits no more
-        counts = self._observe(policy, state, decides, stats, budget, n_draft, n_acc, n_new)
+        counts, done = self._observe(policy, state, decides, stats, budget, n_draft, n_acc, n_new, finished)
         stats.later(self._account, stats, host, counts, drafts.shape[1], fed, caches[0].capacity)
-        return self._retire(rows, new_host, finished, caches, outputs)
+        return self._retire(rows, new_host, done, caches, outputs)
 
     def _budget(self, rows: Rows, host: Host, policy: DepthPolicy, state: StepState, stats: DecodeStats
                 ) -> tuple[torch.Tensor, bool]:
@@ -262,19 +263,20 @@ class Engine:
             return budget.clamp(0, policy.max_depth).minimum(remaining - 1), True
 
     def _observe(self, policy: DepthPolicy, state: StepState, decides: bool, stats: DecodeStats, budget: torch.Tensor,
-                 n_draft: torch.Tensor, n_acc: torch.Tensor, n_new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 n_draft: torch.Tensor, n_acc: torch.Tensor, n_new: torch.Tensor, finished: torch.Tensor
+                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """Tell the policy what each row drafted and kept, and queue the step's histograms; returns host copies of
-        (budget, n_draft, kept, accepted) for the FLOP buckets. A row that kept an EOS among its drafts ended
-        there: the drafts after it were neither kept nor rejected, so neither the policy's evidence nor the stats
-        count them (the FLOP buckets still do)."""
+        (budget, n_draft, kept, accepted) for the FLOP buckets, and of `finished`. A row that kept an EOS among its
+        drafts ended there: the drafts after it were neither kept nor rejected, so neither the policy's evidence nor
+        the stats count them (the FLOP buckets still do)."""
         ended = n_new <= n_acc
         drafted, accepted = torch.where(ended, n_new, n_draft), torch.where(ended, n_new, n_acc)
         if decides:
             with stats.deciding():
                 policy.observe(state, drafted, accepted)
-        counts = torch.stack([budget, n_draft, n_new - 1, accepted, drafted]).cpu()  # one copy for the bookkeeping
+        counts = torch.stack([budget, n_draft, n_new - 1, accepted, drafted, finished]).cpu()  # one copy for the rest
         stats.later(stats.record_step, counts[4], counts[3])
-        return tuple(counts[:4])
+        return tuple(counts[:4]), counts[5].bool()
 
     def _draft(self, rows: Rows, host: Host, cache: RaggedCache, budget: torch.Tensor, policy: DepthPolicy,
                state: StepState, depth: int, stats: DecodeStats
@@ -478,15 +480,15 @@ class Engine:
             # a row whose budget ended at x_i rode along in this read: its proposal of x_(i+1) is padding
             stats.flops += self.d_flops.proposals(read.bool() & (budget > i), accepted >= i + 1)
 
-    def _retire(self, rows: Rows, host: Host, finished: torch.Tensor, caches: tuple[RaggedCache, RaggedCache | None],
+    def _retire(self, rows: Rows, host: Host, done: torch.Tensor, caches: tuple[RaggedCache, RaggedCache | None],
                 outputs: list[list[int]]) -> Host:
-        """Move finished rows' outputs out and drop them from the batch and the caches."""
-        done = finished.cpu()
+        """Move finished rows' outputs out (`done` [A], on the host) and drop them from the batch and the caches."""
         if not bool(done.any()):
             return host
-        for r in done.nonzero().flatten().tolist():
-            start, end = int(rows.prompt_len[r]), int(host["length"][r])
-            outputs[int(rows.row_ids[r])] = rows.seq[r, start:end].tolist()
+        finished = done.nonzero().flatten()
+        seqs = rows.seq[finished.to(self.device)].cpu()  # one copy for every finished row
+        for seq, r in zip(seqs, finished.tolist()):
+            outputs[int(host["row_ids"][r])] = seq[int(host["prompt_len"][r]) : int(host["length"][r])].tolist()
         keep = (~done).nonzero().flatten()
         rows.select(keep.to(self.device))
         for cache in caches:
