@@ -8,11 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specpolicy.distill.data import (DistillData, collate_rows, fingerprint, hidden_states, masked_logits,
-                                     unrolled_hidden_states)
+from conftest import TINY
+from specpolicy.distill.data import (DistillData, collate_rows, fingerprint, generate_responses, hidden_states,
+                                     masked_logits, unrolled_hidden_states)
 from specpolicy.errors import SpecPolicyError
+from specpolicy.models import RandomInitSource
 from specpolicy.models.draft import LayerSubsetDraft
 from specpolicy.models.fusion import model_inputs, shift
+from specpolicy.models.vocab import restore_full_head, use_subset_head
 
 PROMPTS = [[5, 9, 3, 7], [11, 4], [8, 8, 2, 6, 1]]
 
@@ -73,7 +76,7 @@ def test_prompt_loss_scores_every_position_with_the_targets_top_k(tiny_model, tm
     assert plain["loss_mask"].sum(1).tolist() == [n - p for n, p in zip(lengths, rows["prompt_len"])]
 
 
-def test_fingerprint_ignores_the_folder_a_model_was_loaded_from(tiny_model, tmp_path):
+def test_fingerprint_reads_what_a_model_computes_not_its_folder(tiny_model, tmp_path):
     model = tiny_model().model
     for name in ("a", "b"):
         model.save_pretrained(tmp_path / name)
@@ -83,6 +86,38 @@ def test_fingerprint_ignores_the_folder_a_model_was_loaded_from(tiny_model, tmp_
     with torch.no_grad():
         next(b.parameters()).view(-1)[0] += 1.0
     assert fingerprint(a) != fingerprint(b)
+
+    loaded = RandomInitSource(model_type="llama", config=TINY, seed=5, device="cpu").load()  # its head changes
+    full = loaded.model.get_output_embeddings()
+    prints = []
+    for subset in ([0, 2, 4, 6], [0, 3, 6, 9]):  # the same weights scoring other tokens write other responses
+        use_subset_head(loaded, torch.tensor(subset))
+        prints.append(fingerprint(loaded.model))
+        restore_full_head(loaded.model, full)
+    assert prints[0] != prints[1] and fingerprint(loaded.model) not in prints
+
+
+def test_the_cache_key_holds_only_what_changes_the_data(tiny_model):
+    """A seed sweep regenerated every greedy set, and a top_k sweep every held-out set (which keeps no top-k)."""
+    target = tiny_model().model
+
+    def key(kept: int = 4, **settings) -> str:  # kept: the top-k this set keeps
+        return DistillData(**settings).key(target, target, PROMPTS, kept)
+
+    assert key(seed=0) == key(seed=1) and key(temperature=1.0, seed=0) != key(temperature=1.0, seed=1)
+    assert key(0, top_k=64) == key(0, top_k=16) and key(4) != key(8)
+    assert key(max_new_tokens=6) != key(max_new_tokens=7) and key(batch_size=2) == key(batch_size=4)
+
+
+def test_a_draft_writes_its_responses_as_it_drafts_whatever_mode_it_is_in(tiny_model, single_thread):
+    """The distil stage sets the draft training (dropout on) before it writes its on-policy data."""
+    model = tiny_model(attention_dropout=0.5).model
+    expected = generate_responses(model, PROMPTS, 6, 2)
+    model.train()
+    try:
+        assert generate_responses(model, PROMPTS, 6, 2) == expected and model.training
+    finally:
+        model.eval()
 
 
 @pytest.mark.parametrize("family, config", [

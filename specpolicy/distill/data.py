@@ -40,7 +40,7 @@ from specpolicy.atomic import atomic_path
 from specpolicy.errors import SpecPolicyError, check_count, check_int, check_number
 from specpolicy.models.attention import layer_masks, sliding_window
 from specpolicy.models.fusion import model_inputs, shift, unwrap
-from specpolicy.models.vocab import scorer
+from specpolicy.models.vocab import scorer, subset_of
 
 log = logging.getLogger(__name__)
 SOURCES = ("target", "draft")
@@ -79,8 +79,11 @@ class DistillData:
                                   f"distill.data.temperature > 0 (greedy decoding repeats one response), or 1")
 
     def key(self, target: PreTrainedModel, generator: PreTrainedModel, prompts: list[list[int]], top_k: int) -> str:
-        # the prompts are hashed themselves; the batch changes no response (a prompt's random stream is its index)
-        which = ("train_prompts", "val_prompts", "test_prompts", "batch_size")
+        """Of what the data depends on: the prompts are hashed themselves; the batch changes no response (a prompt's
+        random stream is its index); `top_k` is what this set keeps (held-out sets and online targets: none, whatever
+        distill.data.top_k says); the seed changes no greedy response (a seed sweep regenerated every set)."""
+        which = ("train_prompts", "val_prompts", "test_prompts", "batch_size", "top_k",
+                 *(("seed",) if self.temperature == 0 else ()))
         settings = {k: v for k, v in asdict(self).items() if k not in which}
         return cache_key({"target": fingerprint(target), "generator": fingerprint(generator), "prompts": prompts,
                           "settings": settings, "top_k": top_k})
@@ -112,14 +115,17 @@ def cache_key(parts: dict) -> str:
 
 
 def fingerprint(model: PreTrainedModel) -> str:
-    """Config + a sample of every weight: two models hash alike only if they compute alike (in practice).
-    The folder a model was loaded from is left out, so a moved or freshly cloned project keeps its caches."""
+    """Config + each weight's shape and a sample of its values + the tokens a subset head scores (not in the state
+    dict): two models hash alike only if they compute alike (in practice). The folder a model was loaded from is left
+    out, so a moved or freshly cloned project keeps its caches."""
     config = model.config.to_dict()
     config.pop("_name_or_path", None)
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
+        h.update(f"{name}{tuple(tensor.shape)}".encode())
         h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    if (ids := subset_of(model)) is not None:
+        h.update(ids.cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -133,8 +139,14 @@ def generate_responses(model: PreTrainedModel, prompt_ids: list[list[int]], max_
 
     engine = Engine(model, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     out: list[list[int]] = []
-    for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, unit="batch"):
-        out += engine.generate(prompt_ids[start:start + batch_size], ArPolicy(), first_id=start).outputs  # own streams
+    training = model.training  # a draft about to train writes its on-policy data: without dropout, as it drafts
+    model.eval()
+    try:
+        for start in tqdm(range(0, len(prompt_ids), batch_size), desc=desc, unit="batch"):
+            batch = prompt_ids[start:start + batch_size]
+            out += engine.generate(batch, ArPolicy(), first_id=start).outputs  # each prompt its own random stream
+    finally:
+        model.train(training)
     return out
 
 
