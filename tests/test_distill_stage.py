@@ -206,12 +206,15 @@ def test_draft_vocab_narrows_the_head_and_saves_a_standard_folder(shared):
     assert m["cost"]["flops_ratio"] < full.cost["flops_ratio"]
 
 
-def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_writes(shared):
+@pytest.mark.parametrize("prompt_loss", [False, True])
+def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_writes(shared, prompt_loss):
     """With `source=draft` the training responses are the draft's; the vocabulary is ranked by the target's top-1
-    on them (cached), and without cached targets the setting is refused before anything loads."""
+    on them (cached; with prompt_loss the cache starts in the prompt, which was ranked too), and without cached
+    targets the setting is refused before anything loads."""
     from specpolicy.distill.stage import check_distil
 
-    cfg = _cfg(shared, "vocab_draft", "draft.layers=[0,-1]", "distill.data.source=draft")
+    cfg = _cfg(shared, "vocab_draft", "draft.layers=[0,-1]", "distill.data.source=draft",
+               f"distill.data.prompt_loss={prompt_loss}")
     target = instantiate(cfg.target).load()
     datamodule = _data(cfg, target)
     rows = datamodule._load()["train"]
@@ -219,6 +222,8 @@ def test_a_draft_vocabulary_on_draft_written_data_is_ranked_by_what_the_target_w
         with torch.no_grad():
             logits = target.model(torch.tensor([ids])).logits[0]
         assert written == logits[n - 1: len(ids) - 1].argmax(-1).tolist()
+    if prompt_loss:
+        return
     online = _cfg(shared, "vocab_draft", "distill.data.source=draft", "distill.draft_vocab=64",
                   "distill.freeze_embeddings=true", "distill.target_probs=online")
     with pytest.raises(SpecPolicyError, match="distill.draft_vocab with distill.data.source=draft ranks tokens"):

@@ -236,7 +236,9 @@ class DistillDataModule(LightningDataModule):
         rows = self._load()["train"]
         if self.data.source == "target":
             return [ids[n:] for ids, n in zip(rows["input_ids"], rows["prompt_len"])]
-        return [[top[0] for top in ids] for ids in rows["topk_ids"]]  # `check_distil` asks for cached targets
+        # `check_distil` asks for cached targets; with `prompt_loss` they start in the prompt: its response's are last
+        return [[top[0] for top in topk[len(topk) - (len(ids) - n):]]
+                for ids, n, topk in zip(rows["input_ids"], rows["prompt_len"], rows["topk_ids"])]
 
     def setup(self, stage: str) -> None:
         self.sets = self._load()
