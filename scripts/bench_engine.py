@@ -25,6 +25,7 @@ import transformers
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from specpolicy.atomic import check_replaceable
 from specpolicy.cli import check_out_dir, entry, publish
 from specpolicy.data import encode_prompts
 from specpolicy.decode import Engine
@@ -49,6 +50,7 @@ def bench(cfg: DictConfig) -> None:
         check_count(f"bench.{setting}", cfg.bench[setting])
     check_settings(cfg.engine)
     check_out_dir("bench.out", Path(cfg.bench.out).parent)  # found by the save, after all the decoding
+    check_replaceable(cfg.bench.out, "bench.out")  # a folder's files were deleted by the save
     if cfg.engine.temperature:  # transformers' side decodes greedily: a sampled engine would not be comparable
         raise SpecPolicyError(f"bench_engine compares greedy decoding; set engine.temperature=0 (got "
                               f"{cfg.engine.temperature})")

@@ -38,19 +38,36 @@ TRAINING = frozenset({"max_steps", "max_epochs", "precision", "accumulate_grad_b
 
 
 @contextmanager
-def atomic_path(out: str | Path) -> Iterator[Path]:
-    """Yield a fresh path to write `out`'s file or folder at; on success it replaces `out`, on error
-    `out` stays as it was and the temporary is removed."""
+def atomic_path(out: str | Path, setting: str | None = None) -> Iterator[Path]:
+    """Yield a fresh path to write `out`'s file or folder at; on success it replaces `out` (a file, or an empty
+    folder), on error `out` stays as it was and the temporary is removed. A folder that holds files is never
+    replaced: it is not an output of ours (a stage reuses its complete ones), and a user's `paths.draft_dir` or
+    `bench.out` naming a parent folder lost everything in it. `setting`: the config key `out` comes from."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         yield tmp / out.name
+        check_replaceable(out, setting)
         if out.is_dir():
-            shutil.rmtree(out)
+            out.rmdir()
         os.replace(tmp / out.name, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_replaceable(out: str | Path, setting: str | None = None, marker: str | None = None) -> None:
+    """Refuse an output path that is a folder holding files, which writing the output would delete, unless it holds
+    `marker`, the file a complete output of the stage holds (it is reused, not written); stages check before their
+    work, `atomic_path` again before it replaces anything."""
+    out = Path(out).expanduser()
+    if marker is not None and (out / marker).exists():
+        return
+    if out.is_dir() and (inside := next(out.iterdir(), None)) is not None:
+        key = f"{setting}=" if setting else ""
+        fix = f"set {setting} to a new path" if setting else "write it elsewhere"
+        raise SpecPolicyError(f"{key}{out} is a folder holding other files (e.g. {inside.name}), which writing "
+                              f"{out.name} there would delete; {fix}, or empty the folder")
 
 
 def written(stage: str, out: Path, made_with: dict[str, Any], marker: Path | None = None) -> bool:

@@ -18,8 +18,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specpolicy.atomic import (atomic_path, identity, made_for, read_record, record, record_path, same_settings,
-                               settings, written)
+from specpolicy.atomic import (atomic_path, check_replaceable, identity, made_for, read_record, record, record_path,
+                               same_settings, settings, written)
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
 from specpolicy.cost.overhead import MIN_STEPS, drafting_overhead
 from specpolicy.cost.profile import check_grid, measure, profile_file
@@ -135,6 +135,9 @@ def check_profile(cfg: DictConfig) -> tuple[list[int], list[int]]:
     return check_grid(p.rows, p.tokens)
 
 
+ROLLOUTS_MARKER = "dataset_info.json"  # what `save_to_disk` writes: complete rollouts hold it
+
+
 def check_collect(cfg: DictConfig) -> None:
     """Collection's settings and prompts, before the stages before it run: a prompts file without a `split`
     column (every prompt an evaluation prompt) or a `data.split` typo stopped it after distillation."""
@@ -145,6 +148,7 @@ def check_collect(cfg: DictConfig) -> None:
     # the engine drafts no further than a row's last token, so one new token drafts nothing to learn from
     check_int("collect.max_new_tokens (2 or more: the last token is never drafted)", cfg.collect.max_new_tokens, 2)
     _not_evaluated(cfg, instantiate(cfg.data, split="train", limit=None).load(), warn=False)  # collect warns
+    check_replaceable(cfg.paths.rollouts_dir, "paths.rollouts_dir", ROLLOUTS_MARKER)  # found by the save
 
 
 def check_head(cfg: DictConfig) -> None:
@@ -172,7 +176,7 @@ def collect(cfg: DictConfig) -> None:
     than the draft delivers on new prompts."""
     out = Path(cfg.paths.rollouts_dir)
     made_with = collect_settings(cfg)
-    if written("collect", out, made_with, out / "dataset_info.json"):
+    if written("collect", out, made_with, out / ROLLOUTS_MARKER):
         return
     check_collect(cfg)
     c = cfg.collect

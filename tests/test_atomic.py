@@ -10,26 +10,36 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from specpolicy.atomic import (atomic_path, made_for, model_identity, read_record, record, record_path, settings,
-                               written)
+from specpolicy.atomic import (atomic_path, check_replaceable, made_for, model_identity, read_record, record,
+                               record_path, settings, written)
 from specpolicy.cli import resumable
 from specpolicy.errors import SpecPolicyError
 from specpolicy.models import PretrainedSource
 
 
-def test_a_file_and_a_folder_replace_what_was_there(tmp_path: Path) -> None:
+def test_a_file_or_an_empty_folder_is_replaced_and_a_folder_of_files_never(tmp_path: Path) -> None:
+    """A stage reuses its complete outputs, so a folder of files in the way is not one of ours: `paths.draft_dir`
+    or `bench.out` naming a parent folder lost everything in it."""
     with atomic_path(tmp_path / "deep" / "a.json") as tmp:
         tmp.write_text("new")
-    assert (tmp_path / "deep" / "a.json").read_text() == "new"
+    with atomic_path(tmp_path / "deep" / "a.json") as tmp:
+        tmp.write_text("newer")
+    assert (tmp_path / "deep" / "a.json").read_text() == "newer"
 
-    old = tmp_path / "folder"
-    old.mkdir()
-    (old / "stale.txt").write_text("old")
-    with atomic_path(old) as tmp:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with atomic_path(folder) as tmp:
         tmp.mkdir()
         (tmp / "fresh.txt").write_text("new")
-    assert [p.name for p in old.iterdir()] == ["fresh.txt"]
+    assert [p.name for p in folder.iterdir()] == ["fresh.txt"]
+    with pytest.raises(SpecPolicyError, match=r"^paths.draft_dir=.*/folder is a folder holding other files \(e.g. "
+                                              r"fresh.txt\), which writing folder there would delete; set "
+                                              r"paths.draft_dir to a new path, or empty the folder"):
+        with atomic_path(folder, "paths.draft_dir") as tmp:
+            tmp.write_text("a file over the folder")
+    assert [p.name for p in folder.iterdir()] == ["fresh.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep", "folder"]  # no temporaries left
+    check_replaceable(folder, "paths.draft_dir", marker="fresh.txt")  # a complete output: reused, not written
 
 
 def test_a_failed_write_leaves_the_old_output_and_no_temporary(tmp_path: Path) -> None:

@@ -237,7 +237,9 @@ def test_a_multirun_job_with_bad_input_does_not_stop_the_sweep(tmp_path: Path) -
                                                # transformers' side is greedy: sampled ratios were not like for like
                                                ("engine.temperature=0.7", "bench_engine compares greedy decoding"),
                                                # a file on its path was found by the save, after the decoding
-                                               ("bench.out=/dev/null/engine.json", "bench.out")])
+                                               ("bench.out=/dev/null/engine.json", "bench.out"),
+                                               # a folder: the save replaced it, and every file in it was lost
+                                               (f"bench.out={ROOT / 'conf'}", "is a folder holding other files")])
 def test_engine_benchmark_names_a_bad_setting(override: str, message: str, tmp_path: Path) -> None:
     assert_clean_error(run("bench_engine.py", "experiment=tiny", "debug=fast", override, tmp_path=tmp_path), message)
 

@@ -182,6 +182,20 @@ def test_a_bad_count_is_named_before_any_work(task: str, override: str | tuple[s
     assert not (tmp_path / "tiny").exists()  # nothing distilled, nothing half-written
 
 
+@pytest.mark.parametrize("setting, stage", [("paths.draft_dir", "distil"), ("paths.rollouts_dir", "collect")])
+def test_an_output_path_naming_a_folder_of_files_is_refused_before_any_work(setting: str, stage: str,
+                                                                          tmp_path: Path) -> None:
+    """The stage's save replaced the folder whole: a parent folder named by mistake lost all it held."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    cfg = compose_config("train", ["experiment=tiny", "debug=fast", f"{setting}={mine}", f"stages=[{stage}]"],
+                         tmp_path)
+    with pytest.raises(SpecPolicyError, match=f"^{setting}={mine} is a folder holding other files"):
+        train(cfg)
+    assert (mine / "notes.txt").read_text() == "keep" and not (tmp_path / "tiny").exists()
+
+
 def test_evaluate_refuses_a_report_folder_that_is_a_file_and_warns_about_what_it_cannot_show(tmp_path: Path,
                                                                                              caplog) -> None:
     """A file as eval.out_dir failed after all the decoding; evaluating the training split, or without `ar`, runs

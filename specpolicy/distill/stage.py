@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedModel
 
-from specpolicy.atomic import model_identity, record, settings, written
+from specpolicy.atomic import check_replaceable, model_identity, record, settings, written
 from specpolicy.cli import check_ckpt_path, checkpoints_of, experiment_logger, finish_run, resumable, run_trainer
 from specpolicy.data import TRAINED_ON, Conversation, digests_text, encode_prompts, fitting, without
 from specpolicy.distill.module import CACHED_NEEDS_TOP_K, TEST, DistillDataModule, DistillModule
@@ -45,6 +45,7 @@ from specpolicy.stages import build_draft, load_target
 log = logging.getLogger("specpolicy")
 TARGET_PROBS = ("cached", "online")
 HELD_OUT = ("validation", "test")
+DRAFT_MARKER = "config.json"  # what save_pretrained writes: a complete draft folder holds it
 # what a draft is made of: a change to any of these makes another draft (see `atomic.settings`)
 MADE_WITH = ["target", "draft", "distill", "data.prompts_file", "data.hub_dataset", "data.prompt_field", "trainer",
              "seed"]
@@ -81,6 +82,7 @@ def check_distil(cfg: DictConfig) -> None:
                               f"mass); set distill.target_probs=online, or distill.temperature=1")
     check_number("distill.feature_loss", d.feature_loss, 0, why="a loss weight")
     _check_splits(cfg)
+    check_replaceable(cfg.paths.draft_dir, "paths.draft_dir", DRAFT_MARKER)  # found by the save, after the training
     check_bool("distill.freeze_embeddings", d.freeze_embeddings)
     check_bool("distill.data.prompt_loss", d.data.prompt_loss)
     check_count("distill.batch_size", d.batch_size)
@@ -156,7 +158,7 @@ def draft_settings(cfg: DictConfig) -> dict:
 def distil(cfg: DictConfig) -> None:
     out = Path(cfg.paths.draft_dir)
     made_with = draft_settings(cfg)
-    if written("distil", out, made_with, out / "config.json"):
+    if written("distil", out, made_with, out / DRAFT_MARKER):
         return
     check_distil(cfg)  # the pipeline checked already; scripts/bench_distill.py calls this stage directly
     d = cfg.distill
