@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from specpolicy.atomic import atomic_path, check_made_with, record
 from specpolicy.errors import SpecPolicyError
@@ -76,10 +77,32 @@ class OutputFolder(Callback):
     mkdir, before any check of ours could run; now one line, from making the folder just before Hydra does."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check_folder(config.hydra.run.dir)
+        _check_folder(_run_folder(config, "hydra.run.dir"))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _check_folder(config.hydra.sweep.dir)
+        _check_folder(_run_folder(config, "hydra.sweep.dir"))
+
+
+def _run_folder(config: DictConfig, key: str) -> str:
+    """The run's folder, or one line on what it needs: it is named by experiment_name, which an experiment file of
+    a user's own may leave unset (`???`), and reading it ended in a 52-frame omegaconf traceback."""
+    try:
+        return OmegaConf.select(config, key, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        try:
+            check_set(config)
+            why = f"the run's folder ({key}) cannot be read: {str(err).splitlines()[0]}"
+        except SpecPolicyError as unset:
+            why = str(unset)
+        print(f"error: {why}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _unset(tree: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a config's container whose value is `???`."""
+    if isinstance(tree, dict):
+        return [k for key, value in tree.items() for k in _unset(value, f"{prefix}{key}.")]
+    return [prefix[:-1]] if tree == "???" else []
 
 
 def _check_folder(folder: str) -> None:
@@ -181,10 +204,13 @@ def check_checkpoint(setting: str, path: str | Path) -> None:
 def check_set(cfg: DictConfig | Any) -> None:
     """Settings left `???` in conf/ (a pretrained model's path) fail before any stage runs, not as an omegaconf
     traceback from wherever the first of them is read."""
-    missing = sorted(OmegaConf.missing_keys(cfg)) if isinstance(cfg, DictConfig) else []
+    # from the unresolved settings: missing_keys resolves them, and a path made of an unset experiment_name fails so
+    settings = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else {}
+    missing = [key for key in _unset(settings) if not key.startswith("hydra.")]
     if missing:
         raise SpecPolicyError(f"{', '.join(missing)} must be set (??? in conf/); add "
-                              f"{' '.join(key + '=...' for key in missing)} to the command")
+                              f"{' '.join(key + '=...' for key in missing)} to the command, or set it in the "
+                              f"experiment's file")
 
 
 def bad_input(err: BaseException) -> str | None:

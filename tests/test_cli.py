@@ -66,6 +66,20 @@ def test_bad_input_is_one_line(overrides: list[str], message: str, tmp_path: Pat
     assert_clean_error(proc, message)
 
 
+@pytest.mark.parametrize("multirun", [False, True])
+def test_an_experiment_file_without_its_name_is_one_line(multirun: bool, tmp_path: Path) -> None:
+    """The run's folder is named by experiment_name: reading it unset was a 52-frame omegaconf traceback (a single
+    run, from Hydra's callback) or a job's traceback (a multirun, from the check of unset settings itself)."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text("# @package _global_\ndefaults:\n"
+                                                                "  - override /target: tiny_llama\n")
+    sweep = ["seed=1,2", "-m"] if multirun else []
+    proc = run("train.py", "experiment=mine", "debug=fast", *sweep, "--config-dir", str(tmp_path / "conf"),
+               tmp_path=tmp_path)
+    assert_clean_error(proc, "error: experiment_name must be set (??? in conf/); add experiment_name=... to the "
+                             "command, or set it in the experiment's file")
+
+
 def test_prompt_longer_than_context_and_empty_file(tmp_path: Path) -> None:
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
