@@ -34,7 +34,9 @@ INTERRUPTED = ("interrupted: outputs are saved whole or not at all, so none was 
 
 log = logging.getLogger("specpolicy")
 
-LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")  # ckpt_path values that name no file
+# Lightning's ckpt_path names other than `last`: the stages keep no best checkpoint (no metric is monitored), and
+# run under neither SLURM's requeueing nor a model registry, so each failed inside fit, after the stages before it
+UNKEPT_CKPT_NAMES = ("best", "hpc", "registry")
 RUN_ID = "wandb_run_id.txt"  # beside a training stage's checkpoints: the wandb run a resumed training logs into
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 FAILED_JOBS: list[str] = []  # a multirun's jobs that stopped on bad input (`FailedJobs`)
@@ -141,6 +143,14 @@ def run_trainer(trainer: Trainer, how: str, module: LightningModule, **kwargs: A
         if trainer.interrupted:
             raise KeyboardInterrupt from None
         raise
+    except RuntimeError as err:  # a checkpoint of another stage, or of another shape of model: torch's traceback
+        path = kwargs.get("ckpt_path")
+        if path not in (None, "last") and str(err).startswith("Error(s) in loading state_dict"):
+            detail = str(err).splitlines()[1].strip() if "\n" in str(err) else str(err)
+            raise SpecPolicyError(f"ckpt_path={path} is a checkpoint of another model, whose weights do not fit this "
+                                  f"stage's ({detail:.160}); point ckpt_path at this stage's checkpoints, or null to "
+                                  f"start over") from err
+        raise
 
 
 def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: dict[str, Any]) -> None:
@@ -162,8 +172,8 @@ def resumable(stage: str, trainer: Trainer, ckpt_path: str | None, made_with: di
     if not trainer.is_global_zero:
         return
     starts_over = not resumes and ckpt_path in (None, "last")
-    named = Path(ckpt_path) if ckpt_path not in (None, *LIGHTNING_CKPT_NAMES) else None  # a file to start from, kept
-    if starts_over or named:  # ("best" and the like Lightning finds in the folder: left as they are)
+    named = Path(ckpt_path) if ckpt_path not in (None, "last") else None  # a file to start from, kept
+    if starts_over or named:
         # Lightning's "last" resumes last*.ckpt; the folder's other files are not this stage's to delete
         stale = [p for p in folder.glob("last*.ckpt") if named is None or not p.samefile(named)]
         if stale:
@@ -184,9 +194,12 @@ def checkpoints_of(callbacks: Any) -> str | None:
 
 def check_ckpt_path(setting: str, ckpt_path: str | None, folder: str | Path | None = None) -> None:
     """A `ckpt_path` setting, checked before any work: a file it names, or `last` in the checkpoints `folder`."""
+    if ckpt_path in UNKEPT_CKPT_NAMES:
+        raise SpecPolicyError(f"{setting}={ckpt_path}: the stages keep their last checkpoint only; set {setting}=last "
+                              f"to resume, a .ckpt file to start from, or null to start over")
     if ckpt_path == "last" and folder and (Path(folder) / "last.ckpt").exists():
         check_checkpoint("the checkpoint to resume from", Path(folder) / "last.ckpt")
-    elif ckpt_path not in (None, *LIGHTNING_CKPT_NAMES):
+    elif ckpt_path not in (None, "last"):
         check_checkpoint(setting, ckpt_path)
 
 

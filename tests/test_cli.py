@@ -139,6 +139,33 @@ def test_bad_distillation_setting_fails_before_training(overrides: list[str], me
     assert not (tmp_path / "tiny" / "draft").exists()
 
 
+def test_a_checkpoint_of_another_model_or_one_the_stages_do_not_keep_is_named(tmp_path: Path) -> None:
+    """A head checkpoint of another size (or another stage's) ended in torch's load_state_dict traceback; `best`
+    passed the checks and failed inside fit, after the stages before it had run."""
+    import lightning as L
+    import torch
+
+    from specpolicy.cli import check_ckpt_path
+    from specpolicy.policy.head import HeadConfig
+    from specpolicy.policy.lightning import HeadModule, RolloutDataModule
+    from specpolicy.rollout.features import FEATURE_NAMES
+
+    data = RolloutDataModule(torch.rand(64, len(FEATURE_NAMES)), torch.randint(0, 2, (64,)).float(), torch.arange(64) // 4)
+
+    def fit(hidden: int, **kwargs) -> L.Trainer:
+        trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path)
+        run_trainer(trainer, "fit", HeadModule(HeadConfig(hidden=hidden)), datamodule=data, **kwargs)
+        return trainer
+
+    fit(16).save_checkpoint(tmp_path / "other.ckpt")
+    with pytest.raises(errors.SpecPolicyError, match=f"^ckpt_path={tmp_path / 'other.ckpt'} is a checkpoint of "
+                                                     f"another model, whose weights do not fit this stage's"):
+        fit(8, ckpt_path=str(tmp_path / "other.ckpt"))
+    with pytest.raises(errors.SpecPolicyError, match="^head.ckpt_path=best: the stages keep their last checkpoint"):
+        check_ckpt_path("head.ckpt_path", "best")
+
+
 def test_missing_trained_artifacts_say_which_stage_to_run(tmp_path: Path) -> None:
     proc = run("evaluate.py", "experiment=tiny", "debug=fast", tmp_path=tmp_path)
     assert_clean_error(proc, "draft' does not exist; run the distil stage of scripts/train.py for experiment_name=tiny "
