@@ -357,6 +357,8 @@ def check_out_dir(setting: str, folder: str | Path) -> None:
     """A folder a run writes into at its end, checked before the work: a file on its path, or a folder this user
     cannot write in, was found by the report's mkdir after all the decoding, as a traceback. Writing is tried, not
     asked of `os.access`, which says yes to root in /proc."""
+    if not isinstance(folder, (str, Path)):  # null: a TypeError inside pathlib
+        raise SpecPolicyError(f"{setting} must be a folder's path, got {folder!r}")
     folder = Path(folder).expanduser()
     existing = _first_existing(folder)
     if not existing.is_dir():

@@ -169,6 +169,10 @@ def eval_policies(cfg: DictConfig) -> dict[str, DictConfig]:
     override where picking a few took a `=null` for each of the rest), all when it is null; at a temperature above 0
     the greedy-only ones (the oracle) are left out; an oracle needs `ar`; and something must decode. Each of
     these was found only after the models loaded and a warm-up ran, or as "write_report got no runs"."""
+    if not isinstance(cfg.eval.policies, DictConfig):  # null: an AttributeError; a list: Hydra's merge error first
+        raise SpecPolicyError(f"eval.policies must map run names to policies (conf/evaluate.yaml), got "
+                              f"{cfg.eval.policies!r}; to decode a few, set eval.only=[ar,...], or drop one with "
+                              f"eval.policies.NAME=null")
     policies = {name: policy for name, policy in cfg.eval.policies.items() if policy is not None}
     if (only := cfg.eval.get("only")) is not None:
         names = list(only) if OmegaConf.is_list(only) else [str(only)]

@@ -39,7 +39,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:  # TypeError: null, a number or a list
         raise SpecPolicyError(f"unknown device {name!r}; use auto, cpu or cuda[:N] (runtime.device=...)") from err
     if device.type not in ("cpu", "cuda"):  # timings synchronise, and profiles are named, for these two only
         raise SpecPolicyError(f"device {name!r} is not supported: specpolicy runs on cpu or cuda[:N]; use "

@@ -133,6 +133,10 @@ def test_sampling_evaluates_every_policy_but_the_greedy_oracle(tmp_path: Path, c
     ("evaluate", "eval.batch_sizes=8", "eval.batch_sizes must be a list, e.g. eval.batch_sizes=[8]"),  # a TypeError
     ("evaluate", "eval.batch_sizes=[1,1]", "eval.batch_sizes must be a non-empty list of distinct"),  # decoded twice
     ("evaluate", "eval.num_prompts=0", "eval.num_prompts must be"),
+    # null where no null means anything: TypeError and AttributeError tracebacks from torch, pathlib, the pipeline
+    ("evaluate", "runtime.device=null", "unknown device None; use auto, cpu or cuda[:N]"),
+    ("evaluate", "eval.out_dir=null", "eval.out_dir must be a folder's path, got None"),
+    ("evaluate", "eval.policies=null", "eval.policies must map run names to policies (conf/evaluate.yaml), got None"),
     # 4 prompts (debug=fast): a batch of 8 ran 4 rows and was reported as batch 8 (with a size that fits: a warning)
     ("evaluate", "eval.batch_sizes=[8,16]", "eval.batch_sizes [8, 16] all exceed the 4 prompts to decode"),
     ("train", "profile.rows=[0,1]", "profile.rows must be"),
