@@ -150,7 +150,8 @@ def test_a_checkpoint_of_another_model_or_one_the_stages_do_not_keep_is_named(tm
     from specpolicy.policy.lightning import HeadModule, RolloutDataModule
     from specpolicy.rollout.features import FEATURE_NAMES
 
-    data = RolloutDataModule(torch.rand(64, len(FEATURE_NAMES)), torch.randint(0, 2, (64,)).float(), torch.arange(64) // 4)
+    data = RolloutDataModule(torch.rand(64, len(FEATURE_NAMES)), torch.randint(0, 2, (64,)).float(),
+                             torch.arange(64) // 4)
 
     def fit(hidden: int, **kwargs) -> L.Trainer:
         trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -432,9 +433,13 @@ def test_the_checkpoints_folder_is_found_by_its_setting_not_its_key(tmp_path: Pa
     assert not (tmp_path / "tiny" / "draft").exists()  # refused before the first stage
 
 
-def test_an_output_folder_under_home_is_expanded() -> None:
-    """`eval.out_dir='~/reports'` wrote into a folder named `~` in the working directory."""
+def test_an_output_folder_under_home_is_expanded(tmp_path: Path) -> None:
+    """`eval.out_dir='~/reports'` wrote into a folder named `~` in the working directory; `paths.checkpoints_dir=
+    ~/ckpts` put Hydra's logs there and stopped the distil stage in a rename between the two."""
     assert per_job("~/reports") == Path.home() / "reports"
+    cfg = compose_config("train", ["experiment=tiny", 'paths.checkpoints_dir="~/ckpts"'], tmp_path)
+    assert cfg.paths.experiment_dir == str(Path.home() / "ckpts" / "tiny")
+    assert cfg.paths.cache_dir == str(Path.home() / "ckpts" / ".cache")
 
 
 def test_a_wandb_mode_wandb_does_not_know_stops_before_the_first_stage(tmp_path: Path) -> None:
