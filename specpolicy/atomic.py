@@ -38,17 +38,17 @@ TRAINING = frozenset({"max_steps", "max_epochs", "precision", "accumulate_grad_b
 
 
 @contextmanager
-def atomic_path(out: str | Path, setting: str | None = None) -> Iterator[Path]:
+def atomic_path(out: str | Path) -> Iterator[Path]:
     """Yield a fresh path to write `out`'s file or folder at; on success it replaces `out` (a file, or an empty
     folder), on error `out` stays as it was and the temporary is removed. A folder that holds files is never
     replaced: it is not an output of ours (a stage reuses its complete ones), and a user's `paths.draft_dir` or
-    `bench.out` naming a parent folder lost everything in it. `setting`: the config key `out` comes from."""
+    `bench.out` naming a parent folder lost everything in it (the stages refuse such a path before their work)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         yield tmp / out.name
-        check_replaceable(out, setting)
+        check_replaceable(out)
         if out.is_dir():
             out.rmdir()
         os.replace(tmp / out.name, out)
@@ -67,7 +67,7 @@ def check_replaceable(out: str | Path, setting: str | None = None, marker: str |
         key = f"{setting}=" if setting else ""
         fix = f"set {setting} to a new path" if setting else "write it elsewhere"
         raise SpecPolicyError(f"{key}{out} is a folder holding other files (e.g. {inside.name}), which writing "
-                              f"{out.name} there would delete; {fix}, or empty the folder")
+                              f"{out.name} there would delete; {fix}, or empty it")
 
 
 def written(stage: str, out: Path, made_with: dict[str, Any], marker: Path | None = None) -> bool:
