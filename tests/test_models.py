@@ -244,6 +244,17 @@ def test_vocab_mismatch_names_both_sides(target, tmp_path: Path) -> None:
         PretrainedDraft(PretrainedSource(path=str(tmp_path / "d"), device="cpu")).build(target)
 
 
+def test_a_draft_with_the_target_s_tokens_but_other_special_ones_is_used_with_a_warning(target, caplog) -> None:
+    """A base model drafting for its instruct sibling: the same vocabulary, another end-of-text token. It was
+    refused as a tokenizer that "differs"; the engine reads the target's ids and stops at the target's EOS."""
+    other = RandomInitSource(model_type="llama", config=TINY, device="cpu").load()
+    other.tokenizer.eos_token = "<|pad|>"
+    with caplog.at_level("WARNING", logger="specpolicy"):
+        check_compatible(target, other)
+    assert f"target vs draft: eos_token_id {target.tokenizer.eos_token_id} vs {other.tokenizer.eos_token_id}" in \
+        caplog.text
+
+
 def test_context_and_dtype_mismatch(target) -> None:
     short = RandomInitSource(model_type="llama", config={**TINY, "max_position_embeddings": 64}, device="cpu").load()
     with pytest.raises(SpecPolicyError, match="draft context is shorter"):

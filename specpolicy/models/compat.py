@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from specpolicy.errors import SpecPolicyError
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
 
     from specpolicy.models.loading import LoadedModel
 
+log = logging.getLogger("specpolicy")
 FIX = ("build the draft from the target (draft=layers or draft=fresh) or pick a draft trained with the target's "
        "tokenizer")
 
@@ -25,10 +27,13 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft tokenizer differs from the target's (target {target.name}: {len(t_tok)} tokens, "
             f"draft {draft.name}: {len(d_tok)} tokens); {FIX}"
         )
-    for attr in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        t_id, d_id = getattr(t_tok, attr), getattr(d_tok, attr)
-        if t_id != d_id:
-            raise SpecPolicyError(f"{attr} differs (target {target.name}: {t_id}, draft {draft.name}: {d_id}); {FIX}")
+    # the same tokens, other special ones (a base model drafting for its instruct sibling ends text, not turns):
+    # lossless still, as the engine reads the target's prompts and stops at the target's EOS; this was refused
+    differ = [f"{attr} {getattr(t_tok, attr)} vs {getattr(d_tok, attr)}" for attr in
+              ("eos_token_id", "bos_token_id", "pad_token_id") if getattr(t_tok, attr) != getattr(d_tok, attr)]
+    if differ:
+        log.warning("the draft %s has the target's tokens but other special ones (target vs draft: %s); decoding "
+                    "stops at the target's end tokens, so outputs are unchanged", draft.name, ", ".join(differ))
     check_models(target.model, draft.model, target.name, draft.name)
 
 
