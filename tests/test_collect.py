@@ -44,6 +44,8 @@ def test_collect_skips_what_the_draft_s_folder_lists_whatever_the_count_says(tmp
     with caplog.at_level(logging.WARNING, logger="specpolicy"):
         assert _unseen_by_draft(cfg, list(range(10))) == list(range(10))  # 3 left: too few for batches of 4
     assert f"after the 7 that {tmp_path} lists" in caplog.text
+    (tmp_path / TRAINED_ON).write_text(digests_text([0, 1, 3, 4, 5]))  # distil skipped 2 as too long
+    assert _unseen_by_draft(cfg, list(range(10))) == [6, 7, 8, 9, 2]  # a typical prompt first
 
 
 def test_collect_counts_whole_batches_when_it_picks_its_prompts():
