@@ -7,8 +7,8 @@ stale slots are masked and later overwritten, never copied. Padding slots of sho
 row's length (masked, overwritten before anyone reads them), or, past the buffer's end, in a trash
 slot that no real token's query sees (padding queries may, and their outputs are thrown away). A forward
 may also cover one slice of the rows (`rows=`): a long prompt is then read alone instead of padding every
-other row to its length. Layers with a sliding window keep
-every key too; their mask shows each query only its last `sliding_window` keys.
+other row to its length. Layers with a sliding window keep every key too; their mask shows each query
+only its last `sliding_window` keys.
 """
 
 from __future__ import annotations
