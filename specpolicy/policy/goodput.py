@@ -175,14 +175,13 @@ class GoodputPolicy(DepthPolicy):
         self._verified = np.zeros(batch_size)  # ... and of draft tokens verified
 
     def budget(self, state: StepState) -> torch.Tensor:
-        rows = state.row_ids.cpu().numpy()
+        rows, generated = torch.stack([state.row_ids, state.generated]).cpu().numpy()  # one device-to-host copy
         self._accepted[rows] *= self.memory
         self._verified[rows] *= self.memory
         cap = self.cost.max_useful_depth(state.rows, self.max_depth)  # even perfect acceptance loses beyond it
         self._limit = np.full(len(rows), cap)
         if state.remaining is not None:  # the engine drafts no further than a row's last token: a row about to
             # finish drafts less than the rest, and its confidence must not choose their depth
-            generated = state.generated.cpu().numpy()
             self._limit = np.minimum(cap, state.remaining - 1 - (generated - generated.min()))
             cap = min(cap, state.remaining - 1)
         depth = 0
